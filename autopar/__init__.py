@@ -1,0 +1,1 @@
+"""autopar: automatic parallelization of JAX train steps."""

@@ -1,0 +1,1 @@
+"""Subcommands of the `autopar` command line, one module each."""

@@ -1,0 +1,92 @@
+"""The op graph: a flat, evaluable list of primitive ops traced from a train step.
+
+Every value is a numbered variable with a static shape and dtype. Ops keep the jaxpr
+primitive and params so that the lowering can re-bind them one by one (and insert
+sharding constraints between them). A `scan` over layers stays one op whose `body` is
+a graph of its own, planned once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one value."""
+
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name, e.g. "float32", "bfloat16", "int32", "bool"
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def itemsize(self) -> int:
+        import jax.numpy as jnp  # bfloat16 is only known to numpy through ml_dtypes
+
+        return jnp.dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass
+class Op:
+    """One primitive application.
+
+    `inputs`/`outputs` are variable ids into `OpGraph.vars`. An input id may name a
+    literal, whose value is in `OpGraph.literals`. `primitive` is the jax Primitive
+    object (bindable); `name` its string name. For `scan`, `body` is the body graph and
+    `trip_count` the number of iterations; `flops`/`bytes_accessed` already include the
+    trip count.
+    """
+
+    index: int
+    name: str
+    primitive: Any
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    params: dict[str, Any]
+    flops: float = 0.0
+    bytes_accessed: float = 0.0
+    source: str = ""
+    body: "OpGraph | None" = None
+    trip_count: int = 1
+
+
+@dataclass
+class OpGraph:
+    """A traced function as flat ops over numbered variables."""
+
+    vars: dict[int, TensorSpec]
+    ops: list[Op]
+    invars: list[int]            # flattened function arguments, in order
+    outvars: list[int]           # flattened function outputs, in order (may repeat, may be invars or literals)
+    literals: dict[int, Any] = field(default_factory=dict)  # var id -> python/numpy scalar or array
+    in_tree: Any = None          # pytree structure of the (args, kwargs) that were traced
+    out_tree: Any = None         # pytree structure of the outputs
+
+    def producer(self) -> dict[int, int]:
+        """Map var id -> index of the op that produces it."""
+        return {v: op.index for op in self.ops for v in op.outputs}
+
+    def consumers(self) -> dict[int, list[int]]:
+        """Map var id -> indices of the ops that read it (in op order)."""
+        out: dict[int, list[int]] = {}
+        for op in self.ops:
+            for v in op.inputs:
+                out.setdefault(v, []).append(op.index)
+        return out
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(op.flops for op in self.ops))

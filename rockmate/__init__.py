@@ -1,0 +1,1 @@
+"""rockmate package."""
