@@ -382,7 +382,7 @@ def _inspect_file(path: pathlib.Path, timeout_s: float) -> str:
         )
     # Another process may be writing the first page of a brand-new file right now, so a
     # bad header is read again a few times before it counts as corrupt.
-    for attempt in range(4):
+    for attempt in range(3):
         try:
             with open(path, "rb") as f:
                 header = f.read(_SQLITE_HEADER_BYTES)
@@ -392,9 +392,11 @@ def _inspect_file(path: pathlib.Path, timeout_s: float) -> str:
             return "empty"
         if len(header) == _SQLITE_HEADER_BYTES and header.startswith(_SQLITE_MAGIC):
             break
-        time.sleep(0.05 * (attempt + 1))
+        time.sleep(0.02 * (attempt + 1))
     else:
-        raise TuningDBError(_not_a_db_message(path, "it is not an SQLite file"))
+        raise TuningDBError(
+            _not_a_db_message(path, "it is not an SQLite file: no complete SQLite header")
+        )
     uri = "file:" + urllib.parse.quote(str(path.absolute())) + "?mode=ro"
     try:
         conn = sqlite3.connect(uri, uri=True, timeout=timeout_s)
