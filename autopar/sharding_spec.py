@@ -105,3 +105,32 @@ class Strategy:
     @property
     def comm_bytes(self) -> float:
         return float(sum(c.nbytes for c in self.collectives))
+
+
+def all_layouts(shape: tuple[int, ...], mesh_shape: tuple[int, int]) -> list[DimSharding]:
+    """Every valid layout of a tensor on the mesh, skipping splits over size-1 axes.
+
+    The fully replicated layout comes first.
+    """
+    axes_live = [a for a in (0, 1) if mesh_shape[a] > 1]
+    options: list[AxisSet] = [()] + [(a,) for a in axes_live]
+    if len(axes_live) == 2:
+        options += [(0, 1)]
+    out: list[DimSharding] = []
+
+    def rec(i: int, used: frozenset, acc: list) -> None:
+        if i == len(shape):
+            out.append(tuple(acc))
+            return
+        for axes in options:
+            if used & set(axes):
+                continue
+            k = 1
+            for a in axes:
+                k *= mesh_shape[a]
+            if shape[i] % k:
+                continue
+            rec(i + 1, used | set(axes), acc + [axes])
+
+    rec(0, frozenset(), [])
+    return out

@@ -1,0 +1,187 @@
+"""`autopar.parallelize`: the decorator that traces, plans, lowers and runs a train step."""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from autopar.cluster import Cluster, parse_memory
+from autopar.graph.op_graph import OpGraph
+from autopar.graph.trace import trace_graph
+from autopar.intra_op import ShardingPlan
+from autopar.lower import build_mesh, sharded_function
+from autopar.methods import resolve_method
+from autopar.plan import Plan, PlanFileError
+from autopar.planner import input_infos, plan_single_stage, stage_plan, state_ties
+from autopar.sharding_spec import AXIS_NAMES
+
+
+def _abstract(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) if not isinstance(x, jax.ShapeDtypeStruct) else x
+
+
+def signature_of(args: tuple, kwargs: dict) -> str:
+    """Input signature a plan is cached under: pytree structure, shapes and dtypes."""
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    shapes = ",".join(f"{jax.numpy.result_type(l).name}{list(np.shape(l))}" for l in leaves)
+    return f"{tree}|{shapes}"
+
+
+@dataclass
+class _Entry:
+    graph: OpGraph
+    plan: Plan
+    jitted: Any
+    flat_donate: tuple[int, ...]
+
+
+class CompiledStep:
+    """The compiled program(s) of a plan: one jax Compiled per pipeline stage."""
+
+    def __init__(self, stages: list[Any]):
+        self.stages = stages
+
+    def as_text(self) -> str:
+        return "\n".join(s.as_text() for s in self.stages)
+
+    def memory_analysis(self) -> list[Any]:
+        """Per-stage `memory_analysis()` (a list, one entry per stage)."""
+        return [s.memory_analysis() for s in self.stages]
+
+    def cost_analysis(self) -> list[Any]:
+        return [s.cost_analysis() for s in self.stages]
+
+
+class LoweredStep:
+    def __init__(self, lowered: list[Any]):
+        self.lowered = lowered
+
+    def as_text(self) -> str:
+        return "\n".join(l.as_text() for l in self.lowered)
+
+    def compile(self) -> CompiledStep:
+        return CompiledStep([l.compile() for l in self.lowered])
+
+
+class Parallelized:
+    """A train step planned and run by autopar; call it like the original function."""
+
+    def __init__(self, fun: Callable, *, devices=None, method="auto", memory_budget=None, batch_argnums=(1,),
+                 donate_argnums=(), remat="auto", tuning_db=None, plan=None):
+        if remat not in ("auto", "none", "full"):
+            raise ValueError(f"remat={remat!r}; use 'auto', 'none' or 'full'")
+        self.fun = fun
+        self.devices = list(devices) if devices is not None else None
+        self.method = resolve_method(method)
+        self.memory_budget_bytes = parse_memory(memory_budget) if memory_budget is not None else None
+        self.batch_argnums = tuple(batch_argnums) if not isinstance(batch_argnums, int) else (batch_argnums,)
+        self.donate_argnums = tuple(donate_argnums) if not isinstance(donate_argnums, int) else (donate_argnums,)
+        self.remat = remat
+        self.tuning_db = tuning_db
+        if isinstance(plan, (str, os.PathLike)):
+            plan = Plan.load(plan)
+        self.fixed_plan: Plan | None = plan
+        self._cache: dict[str, _Entry] = {}
+        self.plan: Plan | None = None
+        functools.update_wrapper(self, fun)
+
+    # --- planning ------------------------------------------------------------------
+    def _devices(self) -> list[Any]:
+        return self.devices if self.devices is not None else list(jax.devices())
+
+    def _entry(self, args: tuple, kwargs: dict) -> _Entry:
+        sig = signature_of(args, kwargs)
+        entry = self._cache.get(sig)
+        if entry is not None:
+            return entry
+        t0 = time.perf_counter()
+        abstract_args = jax.tree_util.tree_map(_abstract, args)
+        abstract_kwargs = jax.tree_util.tree_map(_abstract, kwargs)
+        graph = trace_graph(self.fun, *abstract_args, **abstract_kwargs)
+        devices = self._devices()
+        cluster = Cluster.from_devices(devices)
+        infos = input_infos(args, kwargs, self.batch_argnums)
+        ties = state_ties(graph, args, self.batch_argnums)
+        out_names = [f"out{jax.tree_util.keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(graph.out_tree, [0] * len(graph.outvars)))[0]]
+        if self.fixed_plan is not None:
+            if self.fixed_plan.signature != sig:
+                raise PlanFileError("the saved plan was made for inputs with a different signature:\n"
+                                    f"  plan:  {self.fixed_plan.signature[:300]}\n  given: {sig[:300]}\n"
+                                    "re-plan (drop plan=...) or pass inputs shaped like the planned ones")
+            splan = _sharding_plan_from(self.fixed_plan, graph)
+            plan = self.fixed_plan
+        else:
+            budget = self.memory_budget_bytes if self.memory_budget_bytes is not None else math.inf
+            splan, _ = plan_single_stage(graph, cluster, self.method, infos, num_devices=len(devices),
+                                         memory_budget_bytes=budget, tie_outputs=ties)
+            stage = stage_plan(graph, splan, infos, [d.id for d in devices], out_names)
+            plan = Plan(method=getattr(self.method, "name", type(self.method).__name__), signature=sig,
+                        cluster=cluster.to_json(), stages=(stage,), memory_budget_bytes=self.memory_budget_bytes,
+                        remat={"mode": self.remat, "applied": "none"}, planning_time_s=time.perf_counter() - t0)
+        mesh = build_mesh(devices, splan.mesh_shape)
+        flat_donate = _flat_indices(args, self.donate_argnums)
+        jitted = sharded_function(graph, splan, mesh, flat_donate)
+        entry = _Entry(graph, plan, jitted, flat_donate)
+        self._cache[sig] = entry
+        return entry
+
+    def get_plan(self, *args, **kwargs) -> Plan:
+        """Plan (or fetch the cached plan) without running."""
+        return self._entry(args, kwargs).plan
+
+    def lower(self, *args, **kwargs) -> LoweredStep:
+        entry = self._entry(args, kwargs)
+        flat = jax.tree_util.tree_leaves((args, kwargs))
+        return LoweredStep([entry.jitted.lower(*flat)])
+
+    def __call__(self, *args, **kwargs):
+        entry = self._entry(args, kwargs)
+        flat = jax.tree_util.tree_leaves((args, kwargs))
+        out = entry.jitted(*flat)
+        self.plan = entry.plan
+        return jax.tree_util.tree_unflatten(entry.graph.out_tree, out)
+
+
+def _flat_indices(args: tuple, argnums: Sequence[int]) -> tuple[int, ...]:
+    out, offset = [], 0
+    for i, a in enumerate(args):
+        n = len(jax.tree_util.tree_leaves(a))
+        if i in argnums:
+            out.extend(range(offset, offset + n))
+        offset += n
+    return tuple(out)
+
+
+def _sharding_plan_from(plan: Plan, graph: OpGraph) -> ShardingPlan:
+    """Rebuild the layouts of a saved single-stage plan on a freshly traced graph."""
+    if len(plan.stages) != 1:
+        raise PlanFileError("reusing a saved pipeline plan through plan=... is not supported yet; re-plan instead")
+    st = plan.stages[0]
+    ax = {n: i for i, n in enumerate(AXIS_NAMES)}
+
+    def spec(t):
+        return tuple(tuple(ax[a] for a in axes) for axes in t.spec)
+
+    var_specs = {v: spec(t) for v, t in zip(graph.invars, st.inputs)}
+    for t in st.intermediates:
+        head = t.name.split()[0]  # op#N:k
+        n, k = head[3:].split(":")
+        op = graph.ops[int(n)]
+        var_specs[op.outputs[int(k)]] = spec(t)
+    out_specs = tuple(spec(t) for t in st.outputs)
+    return ShardingPlan(st.mesh_shape, var_specs, {}, out_specs, st.predicted_time_s, st.compute_s, st.comm_s,
+                        st.reshard_s, st.memory_bytes, st.argument_bytes, (), "reused", 0.0, 0, 0)
+
+
+def parallelize(fun: Callable | None = None, **options) -> Any:
+    """Decorator: `@autopar.parallelize` or `@autopar.parallelize(method=..., ...)`."""
+    if fun is None:
+        return lambda f: Parallelized(f, **options)
+    return Parallelized(fun, **options)

@@ -1,0 +1,246 @@
+"""The one-hot assignment ILP behind the intra-op planner, independent of JAX.
+
+Each node picks exactly one choice; each node choice has a cost; each edge adds a cost
+that depends on the choices at both ends; memory rows bound a weighted sum of choices.
+Edge costs are linearised Alpa-style with pair variables e[a, b] whose row and column
+sums equal the two nodes' one-hot vectors. Choices are grouped by a key per end (the
+layout a value leaves or enters in), so an edge needs one pair variable per distinct
+(key, key), not per (choice, choice); with binary node variables the pair variables are
+integral by themselves and stay continuous.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy import sparse
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Cost `cost_s[src_key[i], dst_key[j]]` when node src picks i and node dst picks j."""
+
+    src: int
+    dst: int
+    src_key: np.ndarray  # int per src choice
+    dst_key: np.ndarray  # int per dst choice
+    cost_s: np.ndarray   # (n_src_keys, n_dst_keys)
+
+    def pair_cost(self, i: int, j: int) -> float:
+        return float(self.cost_s[self.src_key[i], self.dst_key[j]])
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """sum over nodes n of coeff[n][choice of n] <= limit (bytes)."""
+
+    coeff: dict[int, np.ndarray]
+    constant_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class AssignmentProblem:
+    node_cost_s: list[np.ndarray]
+    edges: list[Edge] = field(default_factory=list)
+    memory_rows: list[MemoryRow] = field(default_factory=list)
+    memory_limit_bytes: float = float("inf")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    choice: tuple[int, ...]
+    objective_s: float
+    status: str          # "optimal" | "feasible (time limit)" | "infeasible"
+    solve_time_s: float
+    solver: str
+    num_variables: int
+
+
+class InfeasibleError(ValueError):
+    pass
+
+
+def evaluate(problem: AssignmentProblem, choice: tuple[int, ...]) -> float:
+    """Objective of a full assignment (the reference for tests and reports)."""
+    total = sum(float(c[k]) for c, k in zip(problem.node_cost_s, choice))
+    total += sum(e.pair_cost(choice[e.src], choice[e.dst]) for e in problem.edges)
+    return total
+
+
+def memory_of(problem: AssignmentProblem, choice: tuple[int, ...]) -> list[float]:
+    return [row.constant_bytes + sum(float(c[choice[n]]) for n, c in row.coeff.items()) for row in problem.memory_rows]
+
+
+def brute_force(problem: AssignmentProblem) -> tuple[tuple[int, ...], float] | None:
+    """Enumerate every assignment; for tests on small problems."""
+    best = None
+    for choice in itertools.product(*(range(len(c)) for c in problem.node_cost_s)):
+        if any(m > problem.memory_limit_bytes * (1 + 1e-9) for m in memory_of(problem, choice)):
+            continue
+        val = evaluate(problem, choice)
+        if best is None or val < best[1] - 1e-15:
+            best = (choice, val)
+    return best
+
+
+@dataclass
+class _Matrix:
+    """min c.x  s.t.  A_eq x = b_eq, A_ub x <= b_ub, 0 <= x <= 1, x[:n_int] integral."""
+
+    c: np.ndarray
+    n_int: int
+    eq_rows: list[np.ndarray]
+    eq_cols: list[np.ndarray]
+    eq_vals: list[np.ndarray]
+    b_eq: list[float]
+    ub: list[tuple[np.ndarray, np.ndarray, float]]
+
+
+def _build(problem: AssignmentProblem) -> tuple[_Matrix, list[int]]:
+    offsets, n = [], 0
+    for c in problem.node_cost_s:
+        offsets.append(n)
+        n += len(c)
+    n_int = n
+    costs = [np.asarray(c, dtype=float) for c in problem.node_cost_s]
+    rows_r, rows_c, rows_v, b_eq = [], [], [], []
+    eq = 0
+    for k, c in enumerate(costs):  # one-hot
+        rows_r.append(np.full(len(c), eq)); rows_c.append(offsets[k] + np.arange(len(c))); rows_v.append(np.ones(len(c)))
+        b_eq.append(1.0); eq += 1
+    extra_cost: list[np.ndarray] = []
+    node_extra = [np.zeros(len(c)) for c in costs]
+    next_var = n
+    for e in problem.edges:
+        cost = np.asarray(e.cost_s, dtype=float)
+        if not np.any(cost):
+            continue
+        ns, nd = cost.shape
+        if ns == 1 or nd == 1:  # the cost is linear in the other end's choice
+            if ns == 1:
+                node_extra[e.dst] += cost[0, e.dst_key]
+            else:
+                node_extra[e.src] += cost[e.src_key, 0]
+            continue
+        pair = next_var + np.arange(ns * nd).reshape(ns, nd)
+        next_var += ns * nd
+        extra_cost.append(cost.ravel())
+        for a in range(ns):  # sum_b e[a, b] = sum_{i: key i = a} x_src[i]
+            src_idx = np.nonzero(e.src_key == a)[0]
+            rows_r.append(np.full(nd + len(src_idx), eq))
+            rows_c.append(np.concatenate([pair[a, :], offsets[e.src] + src_idx]))
+            rows_v.append(np.concatenate([np.ones(nd), -np.ones(len(src_idx))]))
+            b_eq.append(0.0); eq += 1
+        for b in range(nd):
+            dst_idx = np.nonzero(e.dst_key == b)[0]
+            rows_r.append(np.full(ns + len(dst_idx), eq))
+            rows_c.append(np.concatenate([pair[:, b], offsets[e.dst] + dst_idx]))
+            rows_v.append(np.concatenate([np.ones(ns), -np.ones(len(dst_idx))]))
+            b_eq.append(0.0); eq += 1
+    c = np.concatenate([np.concatenate(costs) + np.concatenate(node_extra)] + extra_cost) if costs else np.zeros(0)
+    ub = []
+    if np.isfinite(problem.memory_limit_bytes):
+        for row in problem.memory_rows:
+            cols = np.concatenate([offsets[k] + np.arange(len(v)) for k, v in row.coeff.items()]) if row.coeff else np.zeros(0, int)
+            vals = np.concatenate([np.asarray(v, float) for v in row.coeff.values()]) if row.coeff else np.zeros(0)
+            ub.append((cols, vals, problem.memory_limit_bytes - row.constant_bytes))
+    return _Matrix(c, n_int, rows_r, rows_c, rows_v, b_eq, ub), offsets
+
+
+def _decode(x: np.ndarray, problem: AssignmentProblem, offsets: list[int]) -> tuple[int, ...]:
+    return tuple(int(np.argmax(x[o:o + len(c)])) for o, c in zip(offsets, problem.node_cost_s))
+
+
+def _solve_highs(m: _Matrix, time_limit_s: float):
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    nvar = len(m.c)
+    A_eq = sparse.csr_matrix((np.concatenate(m.eq_vals), (np.concatenate(m.eq_rows), np.concatenate(m.eq_cols))), shape=(len(m.b_eq), nvar))
+    cons = [LinearConstraint(A_eq, np.array(m.b_eq), np.array(m.b_eq))]
+    if m.ub:
+        r = np.concatenate([np.full(len(cols), i) for i, (cols, _, _) in enumerate(m.ub)])
+        A_ub = sparse.csr_matrix((np.concatenate([v for _, v, _ in m.ub]), (r, np.concatenate([c for c, _, _ in m.ub]))), shape=(len(m.ub), nvar))
+        cons.append(LinearConstraint(A_ub, -np.inf, np.array([b for _, _, b in m.ub])))
+    integrality = np.zeros(nvar)
+    integrality[: m.n_int] = 1
+    res = milp(m.c, integrality=integrality, bounds=Bounds(0, 1), constraints=cons,
+               options={"time_limit": time_limit_s, "disp": False, "mip_rel_gap": 1e-6})
+    if res.x is None:
+        return None, "infeasible" if res.status == 2 else f"no solution ({res.message})"
+    return res.x, "optimal" if res.status == 0 else "feasible (time limit)"
+
+
+def _solve_cbc(m: _Matrix, time_limit_s: float):
+    import pulp
+
+    nvar = len(m.c)
+    prob = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
+    xs = [pulp.LpVariable(f"x{i}", cat="Binary") if i < m.n_int else pulp.LpVariable(f"x{i}", 0, 1) for i in range(nvar)]
+    prob += pulp.LpAffineExpression([(xs[i], float(m.c[i])) for i in np.nonzero(m.c)[0]])
+    rows: dict[int, list] = {}
+    for r, cidx, v in zip(m.eq_rows, m.eq_cols, m.eq_vals):
+        rows.setdefault(int(r[0]), []).extend(zip(cidx.tolist(), v.tolist()))
+    for r, terms in rows.items():
+        prob += pulp.LpAffineExpression([(xs[i], a) for i, a in terms]) == m.b_eq[r]
+    for cols, vals, b in m.ub:
+        prob += pulp.LpAffineExpression([(xs[i], float(a)) for i, a in zip(cols.tolist(), vals.tolist())]) <= b
+    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(np.ceil(time_limit_s)))))
+    name = pulp.LpStatus[status]
+    if name == "Infeasible":
+        return None, "infeasible"
+    if name != "Optimal" or any(x.varValue is None for x in xs[: m.n_int]):
+        return None, f"no solution ({name})"
+    x = np.array([x.varValue or 0.0 for x in xs])
+    # PuLP reports "Optimal" also when CBC stopped at the time limit with a feasible point.
+    sol_status = getattr(prob, "sol_status", pulp.LpSolutionOptimal)
+    return x, "optimal" if sol_status == pulp.LpSolutionOptimal else "feasible (time limit)"
+
+
+def solve(problem: AssignmentProblem, time_limit_s: float = 30.0, solver: str = "highs") -> Assignment:
+    """Solve the assignment ILP; on a time-out returns the best feasible assignment found.
+
+    solver: "highs" (scipy's HiGHS MIP, fast, default) or "cbc" (PuLP's bundled CBC).
+    Raises InfeasibleError when no assignment satisfies the memory rows.
+    """
+    t0 = time.perf_counter()
+    m, offsets = _build(problem)
+    if solver == "highs":
+        x, status = _solve_highs(m, time_limit_s)
+    elif solver == "cbc":
+        x, status = _solve_cbc(m, time_limit_s)
+    else:
+        raise ValueError(f"unknown ILP solver {solver!r}; use 'highs' or 'cbc'")
+    if x is None:
+        raise InfeasibleError(f"intra-op ILP: {status}")
+    choice = _decode(x, problem, offsets)
+    return Assignment(choice, evaluate(problem, choice), status, time.perf_counter() - t0, solver, len(m.c))
+
+
+def min_memory(problem: AssignmentProblem, time_limit_s: float = 30.0) -> float:
+    """Smallest achievable max over memory rows (bytes): the budget that would fit."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    no_limit = AssignmentProblem(problem.node_cost_s, [], [], float("inf"))
+    m, offsets = _build(no_limit)
+    nvar = len(m.c) + 1  # last variable: the peak
+    A_eq = sparse.csr_matrix((np.concatenate(m.eq_vals), (np.concatenate(m.eq_rows), np.concatenate(m.eq_cols))), shape=(len(m.b_eq), nvar))
+    cons = [LinearConstraint(A_eq, np.array(m.b_eq), np.array(m.b_eq))]
+    rows = []
+    for row in problem.memory_rows:
+        v = np.zeros(nvar)
+        for k, coeff in row.coeff.items():
+            v[offsets[k]: offsets[k] + len(coeff)] = coeff
+        v[-1] = -1.0
+        rows.append((v, -row.constant_bytes))
+    if rows:
+        cons.append(LinearConstraint(sparse.csr_matrix(np.array([r for r, _ in rows])), -np.inf, np.array([b for _, b in rows])))
+    c = np.zeros(nvar); c[-1] = 1.0
+    integrality = np.zeros(nvar); integrality[: m.n_int] = 1
+    ub = np.ones(nvar); ub[-1] = np.inf
+    res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(nvar), ub), constraints=cons,
+               options={"time_limit": time_limit_s, "disp": False})
+    if res.x is None:
+        return float("nan")
+    return float(res.x[-1])

@@ -1,0 +1,323 @@
+"""Alpa's intra-op pass: pick one sharding strategy per op by an ILP on a 2-D mesh.
+
+Objective = per-device compute time + communication inside ops + resharding on edges
+(replicated compute is therefore penalised). Ops that can only follow their operand are
+merged into the operand's node before solving. Per-device memory at the liveness peaks
+(arguments, i.e. parameters and optimizer state, plus live activations) stays under the
+budget. See `assignment_ilp` for the solver.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from autopar import assignment_ilp as ilp
+from autopar.cluster import LogicalMesh
+from autopar.graph.op_graph import Op, OpGraph, TensorSpec
+from autopar.resharding import reshard_cost
+from autopar.sharding_spec import Collective, DimSharding, Strategy, all_layouts, replicated, shard_factor
+from autopar.strategies import enumerate_strategies, is_follower
+
+NUM_MEMORY_CHECKPOINTS = 6
+
+
+class MemoryBudgetError(ValueError):
+    """No sharding fits the per-device memory budget."""
+
+    def __init__(self, budget_bytes: float, min_bytes: float, mesh_shape: tuple[int, int]):
+        self.budget_bytes, self.min_bytes = budget_bytes, min_bytes
+        super().__init__(
+            f"no sharding on mesh {mesh_shape[0]}x{mesh_shape[1]} fits the memory budget of "
+            f"{budget_bytes / 2**20:.1f} MiB per device; the smallest budget that fits is about "
+            f"{min_bytes / 2**20:.1f} MiB ({int(math.ceil(min_bytes))} bytes). Raise memory_budget, "
+            f"use more devices, or enable rematerialization.")
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """The ILP's decision for one program on one mesh, plus its predicted costs."""
+
+    mesh_shape: tuple[int, int]
+    var_specs: dict[int, DimSharding]      # every graph invar and op output
+    op_strategies: dict[int, str]          # op index -> strategy name
+    out_specs: tuple[DimSharding, ...]     # layout of each graph output as returned
+    objective_s: float
+    compute_s: float
+    comm_s: float
+    reshard_s: float
+    peak_memory_bytes: float               # per device, at the liveness checkpoints
+    argument_bytes: float                  # per device
+    collectives: tuple[Collective, ...]
+    solver_status: str
+    solve_time_s: float
+    num_nodes: int
+    num_variables: int
+
+    @property
+    def comm_bytes(self) -> float:
+        return float(sum(c.nbytes for c in self.collectives))
+
+
+@dataclass
+class _Choice:
+    cost_s: float
+    comm_s: float
+    reshard_s: float
+    out: dict[int, DimSharding]
+    req: list[DimSharding]                 # aligned with _Group.req_vars
+    names: dict[int, str]
+    colls: list[Collective]
+
+
+@dataclass
+class _Group:
+    choices: list[_Choice]
+    req_vars: list[int] = field(default_factory=list)
+    ops: list[int] = field(default_factory=list)
+
+
+class _ReshardCache:
+    def __init__(self, mesh: LogicalMesh):
+        self.mesh, self.cache = mesh, {}
+
+    def __call__(self, src: DimSharding, dst: DimSharding, spec: TensorSpec) -> tuple[float, tuple[Collective, ...]]:
+        if src == dst:
+            return 0.0, ()
+        key = (src, dst, spec.shape, spec.dtype)
+        if key not in self.cache:
+            self.cache[key] = reshard_cost(src, dst, spec, self.mesh)
+        return self.cache[key]
+
+
+def _scan_strategies(op: Op, mesh: LogicalMesh, time_limit_s: float, solver: str) -> list[Strategy]:
+    """A scan keeps one body plan (solved once, carry layouts tied) plus the replicated fallback."""
+    body = op.body
+    nc, nk = op.params["num_consts"], op.params["num_carry"]
+    n = op.trip_count
+    sub = plan_sharding(body, mesh, tie_outputs={i: nc + i for i in range(nk)}, time_limit_s=time_limit_s, solver=solver)
+    ins = [sub.var_specs[v] for v in body.invars]
+    in_specs = tuple(s if i < nc + nk else ((),) + s for i, s in enumerate(ins))
+    outs = [sub.out_specs[i] if i < nk else ((),) + sub.out_specs[i] for i in range(len(body.outvars))]
+    colls = tuple(c for c in sub.collectives for _ in range(n))
+    planned = Strategy("scan(body planned)", in_specs, tuple(outs), (sub.compute_s + sub.reshard_s) * n, sub.comm_s * n, colls)
+    rep_compute = sum(mesh.compute_s(o.flops, body.vars[o.outputs[0]].dtype if o.outputs else "float32") for o in body.ops) * n
+    rep = Strategy("scan(replicated)", tuple(replicated(len(s)) for s in in_specs), tuple(replicated(len(s)) for s in outs), rep_compute)
+    return [planned, rep]
+
+
+def _strategies(op: Op, graph: OpGraph, mesh: LogicalMesh, time_limit_s: float, solver: str) -> list[Strategy]:
+    if op.name == "scan" and op.body is not None:
+        strats = _scan_strategies(op, mesh, time_limit_s, solver)
+    else:
+        strats = enumerate_strategies(op, graph, mesh)
+    return strats
+
+
+def _main_input(op: Op, graph: OpGraph) -> int | None:
+    best, pos = -1, None
+    for i, v in enumerate(op.inputs):
+        if v in graph.literals:
+            continue
+        size = graph.vars[v].size
+        if size > best:
+            best, pos = size, i
+    return pos
+
+
+def _build_groups(graph: OpGraph, mesh: LogicalMesh, fixed: dict[int, DimSharding], allowed: dict[int, list[DimSharding]],
+                  reshard: _ReshardCache, time_limit_s: float, solver: str) -> tuple[list[_Group], dict[int, int]]:
+    groups: list[_Group] = []
+    group_of: dict[int, int] = {}
+    for v in graph.invars:
+        if v in group_of or v in graph.literals:
+            continue
+        spec = graph.vars[v]
+        layouts = [fixed[v]] if v in fixed else allowed.get(v) or all_layouts(spec.shape, mesh.shape)
+        groups.append(_Group([_Choice(0.0, 0.0, 0.0, {v: lay}, [], {}, []) for lay in layouts]))
+        group_of[v] = len(groups) - 1
+
+    for op in graph.ops:
+        strats = _strategies(op, graph, mesh, time_limit_s, solver)
+        if not strats:
+            raise RuntimeError(f"no sharding strategy for op {op.index} ({op.name}) at {op.source}")
+        live_inputs = [(i, v) for i, v in enumerate(op.inputs) if v not in graph.literals]
+        if is_follower(op) and len(op.outputs) == 1 and _try_merge(op, graph, strats, groups, group_of, reshard):
+            continue
+        g = _Group([], req_vars=[v for _, v in live_inputs], ops=[op.index])
+        for s in strats:
+            g.choices.append(_Choice(s.compute_s + s.comm_s, s.comm_s, 0.0, dict(zip(op.outputs, s.out_specs)),
+                                     [s.in_specs[i] for i, _ in live_inputs], {op.index: s.name}, list(s.collectives)))
+        groups.append(g)
+        for v in op.outputs:
+            group_of[v] = len(groups) - 1
+    return groups, group_of
+
+
+def _try_merge(op: Op, graph: OpGraph, strats: list[Strategy], groups: list[_Group], group_of: dict[int, int],
+               reshard: _ReshardCache) -> bool:
+    pos = _main_input(op, graph)
+    if pos is None:
+        return False
+    main = op.inputs[pos]
+    g = groups[group_of[main]]
+    by_layout: dict[DimSharding, Strategy] = {}
+    for s in strats:
+        cur = by_layout.get(s.in_specs[pos])
+        if cur is None or s.compute_s + s.comm_s < cur.compute_s + cur.comm_s:
+            by_layout[s.in_specs[pos]] = s
+    picked = [by_layout.get(ch.out[main]) for ch in g.choices]
+    if any(s is None for s in picked):
+        return False
+    gid = group_of[main]
+    external = [(i, v) for i, v in enumerate(op.inputs) if v not in graph.literals and i != pos and group_of[v] != gid]
+    internal = [(i, v) for i, v in enumerate(op.inputs) if v not in graph.literals and i != pos and group_of[v] == gid]
+    for ch, s in zip(g.choices, picked):
+        extra = sum(reshard(ch.out[v], s.in_specs[i], graph.vars[v])[0] for i, v in internal)
+        ch.cost_s += s.compute_s + s.comm_s + extra
+        ch.comm_s += s.comm_s
+        ch.reshard_s += extra
+        ch.out.update(zip(op.outputs, s.out_specs))
+        ch.req.extend(s.in_specs[i] for i, _ in external)
+        ch.names[op.index] = s.name
+        ch.colls.extend(s.collectives)
+        for i, v in internal:
+            ch.colls.extend(reshard(ch.out[v], s.in_specs[i], graph.vars[v])[1])
+    g.req_vars.extend(v for _, v in external)
+    g.ops.append(op.index)
+    group_of[op.outputs[0]] = gid
+    return True
+
+
+def _keys(layouts: list[DimSharding]) -> tuple[np.ndarray, list[DimSharding]]:
+    distinct: dict[DimSharding, int] = {}
+    keys = np.array([distinct.setdefault(l, len(distinct)) for l in layouts], dtype=int)
+    return keys, list(distinct)
+
+
+def _edges(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], reshard: _ReshardCache,
+           tie_outputs: dict[int, int]) -> list[tuple[ilp.Edge, int, list[DimSharding], list[DimSharding]]]:
+    """Edges with the var they carry and the distinct layouts at each end."""
+    out = []
+    for gid, g in enumerate(groups):
+        for r, v in enumerate(g.req_vars):
+            src = group_of[v]
+            sk, sl = _keys([ch.out[v] for ch in groups[src].choices])
+            dk, dl = _keys([ch.req[r] for ch in g.choices])
+            cost = np.array([[reshard(a, b, graph.vars[v])[0] for b in dl] for a in sl])
+            out.append((ilp.Edge(src, gid, sk, dk, cost), v, sl, dl))
+    for opos, ipos in tie_outputs.items():
+        v, w = graph.outvars[opos], graph.invars[ipos]
+        if v in graph.literals or v == w:
+            continue
+        src, dst = group_of[v], group_of[w]
+        sk, sl = _keys([ch.out[v] for ch in groups[src].choices])
+        dk, dl = _keys([ch.out[w] for ch in groups[dst].choices])
+        cost = np.array([[reshard(a, b, graph.vars[v])[0] for b in dl] for a in sl])
+        out.append((ilp.Edge(src, dst, sk, dk, cost), v, sl, dl))
+    return out
+
+
+def _memory_rows(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], mesh: LogicalMesh) -> tuple[list[ilp.MemoryRow], list[ilp.MemoryRow]]:
+    """Rows for the liveness peaks (under replicated sizes) and the argument-only row."""
+    n = len(graph.ops)
+    last_use = {v: -1 for v in group_of}
+    for op in graph.ops:
+        for v in op.inputs:
+            if v in last_use:
+                last_use[v] = op.index
+    for v in graph.outvars:
+        if v in last_use:
+            last_use[v] = n
+    born = {v: -1 for v in graph.invars}
+    for op in graph.ops:
+        for v in op.outputs:
+            born[v] = op.index
+    inv = set(graph.invars)
+    delta = np.zeros(n + 2)
+    for v, b in born.items():
+        if v in inv or v not in group_of:
+            continue
+        delta[b] += graph.vars[v].nbytes
+        delta[max(last_use[v], b) + 1] -= graph.vars[v].nbytes
+    live = np.cumsum(delta)[: max(n, 1)]
+    order = np.argsort(-live, kind="stable")
+    points: list[int] = []
+    for t in order:
+        if len(points) >= NUM_MEMORY_CHECKPOINTS:
+            break
+        if all(abs(int(t) - p) > max(1, n // (4 * NUM_MEMORY_CHECKPOINTS)) for p in points):
+            points.append(int(t))
+
+    def row(vars_: list[int]) -> ilp.MemoryRow:
+        coeff: dict[int, np.ndarray] = {}
+        for v in vars_:
+            gid = group_of[v]
+            spec = graph.vars[v]
+            arr = np.array([spec.nbytes / shard_factor(ch.out[v], mesh.shape) for ch in groups[gid].choices])
+            coeff[gid] = coeff.get(gid, 0) + arr
+        return ilp.MemoryRow(coeff)
+
+    args = [v for v in dict.fromkeys(graph.invars) if v in group_of]
+    peak_rows = [row(args + [v for v, b in born.items() if v not in inv and v in group_of and b <= t <= last_use[v]]) for t in points]
+    return peak_rows or [row(args)], [row(args)]
+
+
+def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: float = float("inf"),
+                  fixed_specs: dict[int, DimSharding] | None = None,
+                  allowed_specs: dict[int, list[DimSharding]] | None = None,
+                  tie_outputs: dict[int, int] | None = None,
+                  time_limit_s: float = 30.0, solver: str = "highs") -> ShardingPlan:
+    """Solve the intra-op ILP for `graph` on `mesh`.
+
+    fixed_specs / allowed_specs constrain the layouts of graph inputs (by var id);
+    tie_outputs maps an output position to an input position whose layout it must be
+    returned in (e.g. the new train state in the old state's layout), paying the reshard.
+    """
+    t0 = time.perf_counter()
+    tie_outputs = tie_outputs or {}
+    reshard = _ReshardCache(mesh)
+    groups, group_of = _build_groups(graph, mesh, fixed_specs or {}, allowed_specs or {}, reshard, time_limit_s, solver)
+    edges = _edges(graph, groups, group_of, reshard, tie_outputs)
+    peak_rows, arg_rows = _memory_rows(graph, groups, group_of, mesh)
+    problem = ilp.AssignmentProblem([np.array([c.cost_s for c in g.choices]) for g in groups],
+                                    [e for e, *_ in edges], peak_rows, memory_budget_bytes)
+    try:
+        sol = ilp.solve(problem, time_limit_s=time_limit_s, solver=solver)
+    except ilp.InfeasibleError:
+        if math.isfinite(memory_budget_bytes):
+            raise MemoryBudgetError(memory_budget_bytes, ilp.min_memory(problem, time_limit_s), mesh.shape) from None
+        raise
+    chosen = [g.choices[k] for g, k in zip(groups, sol.choice)]
+    var_specs: dict[int, DimSharding] = {}
+    op_strats: dict[int, str] = {}
+    colls: list[Collective] = []
+    for ch in chosen:
+        var_specs.update(ch.out)
+        op_strats.update(ch.names)
+        colls.extend(ch.colls)
+    reshard_s = 0.0
+    for e, v, sl, dl in edges:
+        a, b = sl[e.src_key[sol.choice[e.src]]], dl[e.dst_key[sol.choice[e.dst]]]
+        t, cs = reshard(a, b, graph.vars[v])
+        reshard_s += t
+        colls.extend(cs)
+    out_specs = []
+    for pos, v in enumerate(graph.outvars):
+        if pos in tie_outputs:
+            out_specs.append(var_specs[graph.invars[tie_outputs[pos]]])
+        elif v in var_specs:
+            out_specs.append(var_specs[v])
+        else:  # a literal output
+            out_specs.append(replicated(len(graph.vars[v].shape)) if v in graph.vars else ())
+    mem = ilp.memory_of(problem, sol.choice)
+    arg_mem = ilp.memory_of(ilp.AssignmentProblem(problem.node_cost_s, [], arg_rows), sol.choice)
+    compute_s = sum(c.cost_s - c.comm_s - c.reshard_s for c in chosen)
+    reshard_s += sum(c.reshard_s for c in chosen)
+    comm_s = sum(c.comm_s for c in chosen)
+    return ShardingPlan(mesh.shape, var_specs, op_strats, tuple(out_specs), sol.objective_s, compute_s, comm_s,
+                        reshard_s, max(mem) if mem else 0.0, arg_mem[0] if arg_mem else 0.0, tuple(colls),
+                        sol.status, time.perf_counter() - t0, len(groups), sol.num_variables)

@@ -1,0 +1,45 @@
+"""Lower a sharding plan to one jitted SPMD program: NamedShardings in and out, and a
+`with_sharding_constraint` on every planned intermediate so XLA follows the plan."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from autopar.graph.evaluate import eval_graph
+from autopar.graph.op_graph import OpGraph
+from autopar.intra_op import ShardingPlan
+from autopar.sharding_spec import AXIS_NAMES, DimSharding, to_partition_spec
+
+
+def build_mesh(devices: Sequence[Any], mesh_shape: tuple[int, int]) -> Mesh:
+    """A 2-D mesh with Auto axis types (GSPMD propagation between our constraints)."""
+    devs = np.asarray(list(devices), dtype=object)
+    if devs.size != mesh_shape[0] * mesh_shape[1]:
+        raise ValueError(f"mesh {mesh_shape} needs {mesh_shape[0] * mesh_shape[1]} devices, got {devs.size}")
+    return Mesh(devs.reshape(mesh_shape), AXIS_NAMES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def named(mesh: Mesh, spec: DimSharding) -> NamedSharding:
+    return NamedSharding(mesh, to_partition_spec(spec))
+
+
+def sharded_function(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, donate_flat: Sequence[int] = (),
+                     constrain_intermediates: bool = True):
+    """jax.jit of the graph over flat arguments, following `plan` on `mesh`."""
+    in_shardings = tuple(named(mesh, plan.var_specs[v]) if v in plan.var_specs else None for v in graph.invars)
+    out_shardings = tuple(named(mesh, s) for s in plan.out_specs)
+    specs = plan.var_specs
+
+    def hook(op, vid, value):
+        spec = specs.get(vid)
+        if spec is None or not getattr(value, "ndim", 0):
+            return value
+        return jax.lax.with_sharding_constraint(value, named(mesh, spec))
+
+    def flat_fn(*flat_args):
+        return tuple(eval_graph(graph, flat_args, on_output=hook if constrain_intermediates else None))
+
+    return jax.jit(flat_fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=tuple(donate_flat))
