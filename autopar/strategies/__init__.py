@@ -1,0 +1,141 @@
+"""Alpa-style sharding strategies for every primitive of a train step on a 2-D mesh.
+
+`enumerate_strategies(op, graph, mesh)` lists the valid ways to run one op: operand and
+result layouts (`DimSharding`), the roofline compute time of the local shard and the
+collectives the op itself performs. Rules live in one module per primitive family;
+unknown primitives get one replicated strategy and a warning. Results are cached per
+(primitive, shapes, params, mesh), so a 10k-op graph enumerates in well under a second
+once its few distinct layers have been seen.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+from autopar.graph.op_graph import Op, OpGraph, TensorSpec
+from autopar.sharding_spec import Strategy
+from autopar.strategies import dot, elementwise, reduce, shape_ops
+from autopar.strategies.layouts import replicated_strategy
+
+Rule = Callable[[Op, tuple, tuple, Any], list[Strategy]]
+
+RULES: dict[str, Rule] = {"dot_general": dot.dot_general_strategies}
+RULES.update({p: elementwise.elementwise_strategies for p in elementwise.ELEMENTWISE_PRIMITIVES})
+RULES.update({p: reduce.reduce_strategies for p in reduce.REDUCE_PRIMITIVES})
+RULES.update({p: reduce.arg_reduce_strategies for p in reduce.ARG_REDUCE_PRIMITIVES})
+RULES.update({p: reduce.cumulative_strategies for p in reduce.CUMULATIVE_PRIMITIVES})
+RULES.update({p: reduce.window_strategies for p in reduce.WINDOW_PRIMITIVES})
+RULES.update({
+    "sort": reduce.sort_strategies,
+    "top_k": reduce.top_k_strategies,
+    "broadcast_in_dim": shape_ops.broadcast_in_dim_strategies,
+    "reshape": shape_ops.reshape_strategies,
+    "expand_dims": shape_ops.expand_dims_strategies,
+    "transpose": shape_ops.transpose_strategies,
+    "squeeze": shape_ops.squeeze_strategies,
+    "concatenate": shape_ops.concatenate_strategies,
+    "split": shape_ops.split_strategies,
+    "slice": shape_ops.slice_strategies,
+    "dynamic_slice": shape_ops.dynamic_slice_strategies,
+    "dynamic_update_slice": shape_ops.dynamic_update_slice_strategies,
+    "pad": shape_ops.pad_strategies,
+    "rev": shape_ops.rev_strategies,
+    "iota": shape_ops.iota_strategies,
+})
+
+# Ops planned whole on every device on purpose (no warning): control flow whose bodies are
+# planned elsewhere or not at all, and random-number generation whose bits must not depend
+# on the layout.
+REPLICATED_PRIMITIVES = frozenset("""
+while cond scan pjit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr
+remat checkpoint rng_bit_generator random_bits random_seed random_wrap random_unwrap random_split
+random_fold_in rng_uniform optimization_barrier
+""".split())
+
+FOLLOWER_PRIMITIVES = elementwise.UNARY_FOLLOWERS | frozenset(
+    ["reshape", "squeeze", "expand_dims", "transpose", "broadcast_in_dim"])
+
+_cache: dict[tuple, list[Strategy]] = {}
+_warned: set[str] = set()
+_mesh_refs: dict[int, Any] = {}
+
+
+def enumerate_strategies(op: Op, graph: OpGraph, mesh: Any) -> list[Strategy]:
+    """Every valid strategy of `op` on `mesh` (a LogicalMesh); never empty."""
+    ins = tuple(None if v in graph.literals else graph.vars[v] for v in op.inputs)
+    outs = tuple(graph.vars[v] for v in op.outputs)
+    key = _cache_key(op, ins, outs, mesh)
+    if key is not None and key in _cache:
+        return list(_cache[key])
+    strategies = _enumerate(op, ins, outs, mesh)
+    if key is not None:
+        _cache[key] = strategies
+    return list(strategies)
+
+
+def _enumerate(op: Op, ins: tuple[TensorSpec | None, ...], outs: tuple[TensorSpec, ...],
+               mesh: Any) -> list[Strategy]:
+    rule = RULES.get(op.name)
+    if rule is None or op.name in REPLICATED_PRIMITIVES:
+        if op.name not in REPLICATED_PRIMITIVES and op.name not in _warned:
+            _warned.add(op.name)
+            warnings.warn(f"autopar: no sharding rule for primitive '{op.name}'; it is planned replicated",
+                          stacklevel=3)
+        return [replicated_strategy(mesh, ins, outs, float(op.flops))]
+    try:
+        strategies = rule(op, ins, outs, mesh)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise ValueError(
+            f"autopar: cannot enumerate strategies for op {op.index} '{op.name}' with operand shapes "
+            f"{[None if t is None else t.shape for t in ins]} and params {sorted(op.params)}: {e}") from e
+    if not any(all(not s or not any(s) for s in st.out_specs) and
+               all(s is None or not any(s) for s in st.in_specs) for st in strategies):
+        strategies = [replicated_strategy(mesh, ins, outs, float(op.flops)), *strategies]
+    return strategies
+
+
+def is_follower(op: Op, graph: OpGraph | None = None) -> bool:
+    """True for ops whose layout can simply follow their operand 0 (unary elementwise,
+    converts, reshape/transpose/broadcast/squeeze): the ILP may merge them into it. With a
+    graph, also binary elementwise ops whose other operands are literals or rank 0."""
+    if op.name in FOLLOWER_PRIMITIVES:
+        return True
+    if graph is None or op.name not in elementwise.ELEMENTWISE_PRIMITIVES:
+        return False
+    big = [v for v in op.inputs if v not in graph.literals and graph.vars[v].ndim > 0]
+    return len(big) == 1
+
+
+def _cache_key(op: Op, ins, outs, mesh) -> tuple | None:
+    try:
+        params = tuple(sorted((k, _freeze(v)) for k, v in op.params.items()))
+        hash(params)
+    except TypeError:
+        return None
+    try:
+        hash(mesh)
+        mkey: Any = mesh
+    except TypeError:
+        _mesh_refs[id(mesh)] = mesh  # keep it alive so the id is not reused
+        mkey = ("id", id(mesh))
+    return (op.name, ins, outs, params, float(op.flops), mkey)
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if hasattr(v, "jaxpr") or hasattr(v, "eqns"):
+        raise TypeError("jaxpr params are not cached")
+    hash(v)
+    return v
+
+
+def clear_cache() -> None:
+    """Forget cached strategies (e.g. after changing a mesh's calibration in place)."""
+    _cache.clear()
+    _mesh_refs.clear()
+
+
+__all__ = ["enumerate_strategies", "is_follower", "clear_cache", "RULES"]

@@ -1,0 +1,348 @@
+"""Sharding strategies: checked against compiled SPMD HLO, single-device numerics, brute-force
+enumeration of valid layouts, and full coverage of a GPT and a conv-net train step."""
+from __future__ import annotations
+
+import itertools
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+
+from autopar.cluster import LogicalMesh
+from autopar.device_presets import PRESETS
+from autopar.graph.op_graph import Op, OpGraph, TensorSpec
+from autopar.graph.trace import trace_graph
+from autopar.sharding_spec import is_valid, to_partition_spec
+from autopar.strategies import enumerate_strategies, is_follower
+
+MESH = LogicalMesh((2, 4), PRESETS["cpu"], (1e-5, 2e-5), (1e-9, 2e-9))
+MESH22 = LogicalMesh((2, 2), PRESETS["cpu"], (1e-5, 1e-5), (1e-9, 1e-9))
+COLL_RE = re.compile(r"=\s*(\S+?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
+ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "f64": 8}
+
+
+@pytest.fixture(scope="module")
+def jmesh():
+    return jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+
+
+def hlo_collectives(text: str) -> list[tuple[str, float]]:
+    """(kind, bytes) of every collective in partitioned HLO text (tuple shapes summed)."""
+    out = []
+    for shape_txt, kind in COLL_RE.findall(text):
+        nbytes = 0
+        for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape_txt):
+            n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+            nbytes += n * ITEMSIZE[dt]
+        out.append((kind, float(nbytes)))
+    return sorted(out)
+
+
+def cpu_realized(colls) -> list[tuple[str, float, bool]]:
+    """XLA CPU has no reduce-scatter creator pass: it all-reduces the partial buffer and
+    slices, so a predicted reduce-scatter shows up as an all-reduce of at most the same
+    input bytes (XLA sometimes first slices a free dim with a replicated mesh axis, which
+    halves the buffer). Entries: (kind as compiled, bytes, bytes are an upper bound)."""
+    return sorted(("all-reduce" if c.kind == "reduce-scatter" else c.kind, c.nbytes,
+                   c.kind == "reduce-scatter") for c in colls)
+
+
+def same_collectives(pred, got) -> bool:
+    if len(pred) != len(got):
+        return False
+    for (k1, b1, upper), (k2, b2) in zip(pred, got):
+        if k1 != k2 or (b2 > 1.1 * b1 if upper else abs(b1 - b2) > 0.1 * b1):
+            return False
+    return True
+
+
+def op_of(graph: OpGraph, name: str, nth: int = 0) -> Op:
+    return [op for op in graph.ops if op.name == name][nth]
+
+
+def compile_strategy(fn, args, strat, jmesh):
+    in_sh = [NamedSharding(jmesh, to_partition_spec(s)) for s in strat.in_specs]
+    out_sh = NamedSharding(jmesh, to_partition_spec(strat.out_specs[0]))
+    jitted = jax.jit(lambda *a: jax.lax.with_sharding_constraint(fn(*a), out_sh),
+                     in_shardings=in_sh, out_shardings=out_sh)
+    return jitted, jitted.lower(*args).compile()
+
+
+def _two_axis_scatter_onto_two_dims(strat) -> bool:
+    rs = [c for c in strat.collectives if c.kind == "reduce-scatter"]
+    out = strat.out_specs[0]
+    return any(len(c.axes) == 2 and sum(1 for x in out if set(x) & set(c.axes)) == 2 for c in rs)
+
+
+DOT_CASES = {
+    "matmul": (lambda a, b: a @ b, ((64, 32), (32, 48))),
+    "batched_two_contracting": (lambda a, b: jnp.einsum("bmkl,bkln->bmn", a, b),
+                                ((4, 16, 8, 2), (4, 8, 2, 24))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DOT_CASES))
+def test_dot_general_collectives_match_compiled_hlo_and_numerics(case, jmesh):
+    fn, shapes = DOT_CASES[case]
+    rng = np.random.default_rng(0)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+    graph = trace_graph(fn, *args)
+    strategies = enumerate_strategies(op_of(graph, "dot_general"), graph, MESH)
+    kinds = {c.kind for s in strategies for c in s.collectives}
+    assert kinds == {"all-reduce", "reduce-scatter"}
+    expected = np.asarray(fn(*args))
+    # every strategy without collectives, every one with them, capped to keep the test quick
+    sample = [s for s in strategies if not _two_axis_scatter_onto_two_dims(s)]
+    sample = sample[:: max(1, len(sample) // 24)]
+    assert any(s.collectives for s in sample) and any(not s.collectives for s in sample)
+    for strat in sample:
+        jitted, compiled = compile_strategy(fn, args, strat, jmesh)
+        got = hlo_collectives(compiled.as_text())
+        assert same_collectives(cpu_realized(strat.collectives), got), (strat.name, got)
+        np.testing.assert_allclose(np.asarray(jitted(*args)), expected, rtol=1e-4, atol=1e-4)
+
+
+def _all_specs(ndim: int, mesh_shape) -> list[tuple]:
+    """Every assignment of mesh axes to dims, in every order (no validity filtering)."""
+    out = []
+    for choice in itertools.product([None, *range(ndim)], repeat=2):
+        for order in ((0, 1), (1, 0)):
+            spec = [() for _ in range(ndim)]
+            for a in order:
+                if choice[a] is not None:
+                    spec[choice[a]] += (a,)
+            out.append(tuple(spec))
+    return sorted(set(out))
+
+
+def ls_or_rs_holds(b, ls, rs, lc, rc) -> bool:
+    """Mesh axis b also splits a contracting dim (so it is scattered too)."""
+    return any(b in ls[d] for d in lc) and any(b in rs[d] for d in rc)
+
+
+def _dot_semantics_ok(ls, rs, os_, dn, shapes, mesh_shape) -> bool:
+    """Independent statement of Alpa's dot rule: per mesh axis, where it sits in lhs/rhs/out."""
+    (lc, rc), (lb, rb) = dn
+    if not all(is_valid(sh, sp, mesh_shape) for sh, sp in zip(shapes, (ls, rs, os_))):
+        return False
+    if any(list(x) != sorted(x) for sp in (ls, rs, os_) for x in sp):
+        return False
+    lf = [d for d in range(len(ls)) if d not in lc and d not in lb]
+    rf = [d for d in range(len(rs)) if d not in rc and d not in rb]
+    for a in range(2):
+        where = lambda sp: next((d for d, x in enumerate(sp) if a in x), None)  # noqa: E731
+        wl, wr, wo = where(ls), where(rs), where(os_)
+        if (wl, wr, wo) == (None, None, None):
+            continue
+        if wl in lb and wr == rb[lb.index(wl)] and wo == lb.index(wl):
+            continue
+        if wl in lf and wr is None and wo == len(lb) + lf.index(wl):
+            continue
+        if wl is None and wr in rf and wo == len(lb) + len(lf) + rf.index(wr):
+            continue
+        if wl in lc and wr == rc[lc.index(wl)]:
+            # partial sums: all-reduce (wo None) or reduce-scatter onto any out dim, where the
+            # scattered axis becomes the minor split (other splits of that dim come first)
+            if wo is None or all(b == a or ls_or_rs_holds(b, ls, rs, lc, rc) for b in os_[wo][os_[wo].index(a):]):
+                continue
+            return False
+        return False
+    return True
+
+
+@pytest.mark.parametrize("shapes,dn", [
+    (((8, 4), (4, 6)), (((1,), (0,)), ((), ()))),
+    (((2, 4, 6), (2, 6, 4)), (((2,), (1,)), ((0,), (0,)))),
+    (((4, 2, 6), (6, 4)), (((0,), (1,)), ((), ()))),
+])
+def test_dot_general_enumerates_exactly_the_valid_set(shapes, dn):
+    lhs, rhs = (jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes)
+    graph = trace_graph(lambda a, b: jax.lax.dot_general(a, b, dn), lhs, rhs)
+    op = op_of(graph, "dot_general")
+    out_shape = graph.vars[op.outputs[0]].shape
+    ms = MESH22.shape
+    brute = {
+        ((ls, rs), (os_,))
+        for ls in _all_specs(len(shapes[0]), ms) for rs in _all_specs(len(shapes[1]), ms)
+        for os_ in _all_specs(len(out_shape), ms)
+        if _dot_semantics_ok(ls, rs, os_, dn, (*shapes, out_shape), ms)
+    }
+    got = [(s.in_specs, s.out_specs) for s in enumerate_strategies(op, graph, MESH22)]
+    assert len(got) == len(set(got))
+    assert set(got) == brute
+
+
+def test_dot_general_costs_follow_the_mesh_model():
+    graph = trace_graph(lambda a, b: a @ b, jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                        jax.ShapeDtypeStruct((32, 48), jnp.float32))
+    op = op_of(graph, "dot_general")
+    by_layout = {(s.in_specs, s.out_specs): s for s in enumerate_strategies(op, graph, MESH)}
+    ar = by_layout[((((), (1,)), ((1,), ())), (((), ()),))]  # K split over y, all-reduce
+    assert ar.comm_s == pytest.approx(MESH.all_reduce_s(64 * 48 * 4, 1))
+    rs = by_layout[((((), (1,)), ((1,), ())), (((1,), ()),))]  # K split over y, reduce-scatter
+    assert rs.comm_s == pytest.approx(MESH.reduce_scatter_s(64 * 48 * 4, 1))
+    rep = by_layout[((((), ()), ((), ())), (((), ()),))]
+    flops = 2 * 64 * 32 * 48
+    full_bytes = 4 * (64 * 32 + 32 * 48 + 64 * 48)
+    assert rep.compute_s == pytest.approx(max(MESH.compute_s(flops, "float32"), MESH.memory_s(full_bytes)))
+    dp = by_layout[((((0, 1), ()), ((), ())), (((0, 1), ()),))]  # M split over all 8 devices
+    assert dp.compute_s < rep.compute_s
+    assert dp.compute_s == pytest.approx(max(MESH.compute_s(flops / 8, "float32"),
+                                             MESH.memory_s(4 * (64 * 32 / 8 + 32 * 48 + 64 * 48 / 8))))
+
+
+def _brute_layouts(shape, mesh_shape, splittable=None):
+    return {s for s in _all_specs(len(shape), mesh_shape)
+            if is_valid(shape, s, mesh_shape) and all(list(x) == sorted(x) for x in s)
+            and all(splittable is None or splittable[d] or not x for d, x in enumerate(s))}
+
+
+def test_elementwise_gives_every_valid_layout_with_rank0_operands_whole():
+    x = jax.ShapeDtypeStruct((4, 6, 8), jnp.float32)
+    graph = trace_graph(lambda a, b: jnp.maximum(a * 2.0, b) + jnp.float32(1), x, x)
+    for op in graph.ops:
+        strategies = enumerate_strategies(op, graph, MESH)
+        outs = {s.out_specs[0] for s in strategies}
+        assert outs == _brute_layouts((4, 6, 8), MESH.shape)
+        assert 10 <= len(strategies) <= 16
+        for s in strategies:
+            for v, spec in zip(op.inputs, s.in_specs):
+                if v in graph.literals:
+                    assert spec is None
+                elif graph.vars[v].ndim == 0:
+                    assert spec == ()
+                else:
+                    assert spec == s.out_specs[0]
+
+
+def _local_block(x: np.ndarray, spec, mesh_shape, coord) -> np.ndarray:
+    """The piece of `x` that device `coord` holds under `spec` (major axis first)."""
+    idx = []
+    for d, axes in enumerate(spec):
+        k, pos = 1, 0
+        for a in axes:
+            pos = pos * mesh_shape[a] + coord[a]
+            k *= mesh_shape[a]
+        n = x.shape[d] // k
+        idx.append(slice(pos * n, (pos + 1) * n))
+    return x[tuple(idx)]
+
+
+SHAPE_CASES = {
+    "reshape_merge": (lambda x: x.reshape(8, 12), (4, 2, 12)),
+    "reshape_split": (lambda x: x.reshape(4, 2, 3, 4), (8, 12)),
+    "reshape_mixed": (lambda x: x.reshape(16, 6), (8, 2, 6)),
+    "transpose": (lambda x: x.transpose(2, 0, 1), (4, 6, 8)),
+    "broadcast": (lambda x: jnp.broadcast_to(x[:, None, :], (8, 4, 6)), (8, 6)),
+    "squeeze": (lambda x: x[:, 0, :], (8, 1, 4)),
+    "slice": (lambda x: x[:, 2:6], (8, 8)),
+    "pad": (lambda x: jnp.pad(x, ((0, 0), (1, 2))), (8, 4)),
+    "concatenate": (lambda x: jnp.concatenate([x, x], axis=1), (8, 4)),
+    "cumsum": (lambda x: jnp.cumsum(x, axis=1), (8, 4)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHAPE_CASES))
+def test_data_movement_layouts_are_local_maps(case):
+    """For every strategy and every device: applying the op to the device's operand block
+    gives exactly its result block (so the layouts really need no communication)."""
+    fn, shape = SHAPE_CASES[case]
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    graph = trace_graph(fn, jax.ShapeDtypeStruct(shape, jnp.float32))
+    ops = [op for op in graph.ops if op.name not in ("convert_element_type",)]
+    assert len(ops) >= 1
+    op = max(ops, key=lambda o: graph.vars[o.outputs[0]].ndim)
+    strategies = enumerate_strategies(op, graph, MESH)
+    assert len(strategies) >= 2 or case in ("squeeze",)
+    vin = np.asarray(x)
+    full_out = np.asarray(jax.jit(lambda a: _bind(op, graph, a))(vin))
+    for s in strategies:
+        assert not s.collectives
+        for coord in itertools.product(range(2), range(4)):
+            block_in = _local_block(vin, s.in_specs[0], MESH.shape, coord)
+            block_out = _local_block(full_out, s.out_specs[0], MESH.shape, coord)
+            if op.name in ("reshape",):
+                local = block_in.reshape(block_out.shape)
+            else:
+                local = np.asarray(_bind_local(op, graph, block_in, block_out.shape))
+            np.testing.assert_array_equal(local, block_out, err_msg=f"{case} {s.name} device {coord}")
+
+
+def _other_arg(graph: OpGraph, v: int):
+    """Operands after the first are literals or rank-0 values (e.g. a pad value): use 0."""
+    if v in graph.literals:
+        return graph.literals[v]
+    assert graph.vars[v].ndim == 0
+    return jnp.zeros((), graph.vars[v].dtype)
+
+
+def _bind(op: Op, graph: OpGraph, x):
+    args = [x for _ in op.inputs] if op.name == "concatenate" else \
+        [_other_arg(graph, v) if i else x for i, v in enumerate(op.inputs)]
+    return op.primitive.bind(*args, **op.params)[0] if op.primitive.multiple_results \
+        else op.primitive.bind(*args, **op.params)
+
+
+def _bind_local(op: Op, graph: OpGraph, block, out_shape):
+    """Re-run the op on a local block, with shape params adjusted to the local sizes."""
+    params = dict(op.params)
+    if op.name == "broadcast_in_dim":
+        params["shape"] = tuple(out_shape)
+    if op.name == "slice":
+        lim = tuple(s + m for s, m in zip(params["start_indices"], out_shape))
+        params["limit_indices"] = lim
+    args = [block for _ in op.inputs] if op.name == "concatenate" else \
+        [_other_arg(graph, v) if i else block for i, v in enumerate(op.inputs)]
+    out = op.primitive.bind(*args, **params)
+    return out[0] if op.primitive.multiple_results else out
+
+
+def test_reduce_sum_split_reduced_dim_all_reduces_as_compiled(jmesh):
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((16, 8, 12)), jnp.float32)
+    fn = lambda a: a.sum(axis=(0, 2))  # noqa: E731
+    graph = trace_graph(fn, x)
+    strategies = enumerate_strategies(op_of(graph, "reduce_sum"), graph, MESH)
+    assert len(strategies) == len(_brute_layouts((16, 8, 12), MESH.shape))
+    for strat in strategies:
+        split_reduced = sorted(a for d in (0, 2) for a in strat.in_specs[0][d])
+        assert [c.axes for c in strat.collectives] == ([tuple(split_reduced)] if split_reduced else [])
+    for strat in strategies[::3]:
+        jitted, compiled = compile_strategy(fn, [x], strat, jmesh)
+        assert same_collectives(cpu_realized(strat.collectives), hlo_collectives(compiled.as_text())), strat.name
+        np.testing.assert_allclose(np.asarray(jitted(x)), np.asarray(fn(x)), rtol=1e-5, atol=1e-4)
+
+
+def test_argmax_never_splits_the_reduced_dim():
+    graph = trace_graph(lambda a: jnp.argmax(a, axis=1), jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    strategies = enumerate_strategies(op_of(graph, "argmax"), graph, MESH)
+    assert {s.in_specs[0] for s in strategies} == _brute_layouts((8, 16), MESH.shape, (True, False))
+    assert all(not s.collectives for s in strategies)
+
+
+def test_followers():
+    graph = trace_graph(lambda a, b: (jnp.exp(a) * 2.0 + b).reshape(-1),
+                        jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((4, 8), jnp.float32))
+    names = {op.name: is_follower(op, graph) for op in graph.ops}
+    assert names == {"exp": True, "mul": True, "add": False, "reshape": True}
+    assert not is_follower(op_of(graph, "mul"))  # without the graph only unary ops follow
+
+
+def test_unknown_primitive_is_replicated_with_one_warning():
+    from jax.extend.core import Primitive
+
+    prim = Primitive("autopar_test_mystery_op")
+    vars_ = {0: TensorSpec((8, 4), "float32"), 1: TensorSpec((8, 4), "float32")}
+    graph = OpGraph(vars=vars_, ops=[Op(0, prim.name, prim, (0,), (1,), {})], invars=[0], outvars=[1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = enumerate_strategies(graph.ops[0], graph, MESH)
+        second = enumerate_strategies(graph.ops[0], graph, MESH22)
+    msgs = [str(w.message) for w in caught if "autopar_test_mystery_op" in str(w.message)]
+    assert msgs == ["autopar: no sharding rule for primitive 'autopar_test_mystery_op'; it is planned replicated"]
+    for strategies in (first, second):
+        assert len(strategies) == 1
+        assert strategies[0].in_specs == (((), ()),) and strategies[0].out_specs == (((), ()),)
