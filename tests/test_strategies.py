@@ -21,7 +21,7 @@ from autopar.strategies import enumerate_strategies, is_follower
 
 MESH = LogicalMesh((2, 4), PRESETS["cpu"], (1e-5, 2e-5), (1e-9, 2e-9))
 MESH22 = LogicalMesh((2, 2), PRESETS["cpu"], (1e-5, 1e-5), (1e-9, 1e-9))
-COLL_RE = re.compile(r"=\s*(\S+?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
+COLL_RE = re.compile(r"=\s*(\([^)]*\)|\S+?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
 ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "f64": 8}
 
 
