@@ -1,0 +1,88 @@
+"""Public entry points: remat, plan_remat, apply_plan, min_budget, block."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+
+from .budget import parse_bytes
+from .lowering import lower
+from .plan import RematPlan
+from .planner import analyze, make_plan, min_budget_of, trace
+from .blocks import find_chain
+from .planner import fingerprint
+from .jax_graph import BLOCK_PREFIX
+
+
+def plan_remat(f: Callable, memory_budget: int | str, *example_args,
+               profile: Mapping[str, float] | None = None,
+               ilp_time_limit_s: float = 5.0) -> RematPlan:
+    """Plan rematerialization of f(*example_args) so forward+backward temp memory fits the budget.
+
+    `profile` maps op keys (see `rockmate.op_costs.op_key`) to measured seconds; roofline
+    estimates are used for the rest. Raises InfeasibleBudgetError below the minimum.
+    """
+    budget = parse_bytes(memory_budget)
+    t = analyze(f, example_args, profile, ilp_time_limit_s)
+    return make_plan(t, budget)
+
+
+def min_budget(f: Callable, *example_args, profile: Mapping[str, float] | None = None) -> int:
+    """Smallest temp memory (bytes) that any schedule of f reaches, as predicted."""
+    return min_budget_of(analyze(f, example_args, profile))
+
+
+class RematFunction:
+    """f with a remat schedule applied; call it like f, differentiate it with jax.grad."""
+
+    def __init__(self, f: Callable, plan: RematPlan):
+        self._f = f
+        self.schedule = plan
+        self._cache: dict = {}
+        functools.update_wrapper(self, f)
+
+    def _lowered(self, args, kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        key = (treedef, tuple((getattr(l, "shape", None), str(getattr(l, "dtype", type(l))))
+                              for l in leaves))
+        if key not in self._cache:
+            program, in_tree, out_tree = trace(self._f, args, kwargs)
+            chain = find_chain(program)
+            fp = fingerprint(program, chain)
+            if fp != self.schedule.fingerprint:
+                raise ValueError(
+                    "this remat plan was made for a different program (other shapes, dtypes or "
+                    "model structure); call rockmate.plan_remat again with the new arguments")
+            self._cache[key] = (lower(program, chain, dict(enumerate(self.schedule.blocks)),
+                                      self.schedule.schedule), out_tree)
+        return leaves, self._cache[key]
+
+    def __call__(self, *args, **kwargs):
+        leaves, (run, out_tree) = self._lowered(args, kwargs)
+        return jax.tree.unflatten(out_tree, run(*leaves))
+
+
+def apply_plan(f: Callable, plan: RematPlan | dict) -> RematFunction:
+    """f with `plan` (or its JSON dict) applied; its values and gradients equal f's."""
+    if isinstance(plan, dict):
+        plan = RematPlan.from_json(plan)
+    return RematFunction(f, plan)
+
+
+def remat(f: Callable, memory_budget: int | str, *example_args,
+          profile: Mapping[str, float] | None = None) -> RematFunction:
+    """f rescheduled so its forward+backward temp memory fits `memory_budget` at least recompute.
+
+    The result has `.schedule` (a RematPlan: per-block kept values, predicted time and memory).
+    """
+    return apply_plan(f, plan_remat(f, memory_budget, *example_args, profile=profile))
+
+
+def block(fn: Callable, **jit_kwargs) -> Callable:
+    """Mark `fn` as one rematerialization block (a unit rockmate keeps or recomputes whole)."""
+    def marked(*args, **kwargs):
+        return fn(*args, **kwargs)
+    marked.__name__ = f"{BLOCK_PREFIX}_{getattr(fn, '__name__', 'fn')}"
+    marked.__qualname__ = marked.__name__
+    return jax.jit(marked, **jit_kwargs)

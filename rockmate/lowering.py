@@ -1,0 +1,169 @@
+"""Turn a schedule into JAX: nested checkpoint regions over the re-played jaxpr.
+
+Why not plain `jax.checkpoint`: XLA CPU strips optimization barriers early and then CSE
+merges the backward's recomputation with the forward (or the scheduler hoists it), so an
+unrolled checkpointed model keeps its activations anyway. Here every recomputing region is
+a `custom_vjp` whose backward first makes its saved values depend on the incoming
+cotangent (`x + 0 * ct[0]`), so the recomputation can neither be CSE'd with the forward
+nor start before the cotangent exists. Inside, kept values carry `checkpoint_name` and the
+region is `jax.checkpoint` with a `save_only_these_names` policy. Scan blocks stay scans
+with a checkpointed body (XLA cannot hoist out of the backward loop).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .block_ilp import BlockOption
+from .blocks import Block, Chain, block_io, scan_body_program
+from .jax_graph import FlatProgram, eval_ops, is_float, lookup
+from .sequence_dp import Leaf, Schedule, Split
+
+_uid = itertools.count()
+
+
+def _tie_to_cotangent(vals, ct):
+    """vals + 0 * (first element of the first floating cotangent): same values, new data dependence."""
+    leaves = [c for c in jax.tree.leaves(ct) if hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.inexact)]
+    if not leaves:
+        return vals
+    zero = leaves[0].reshape(-1)[0] * 0
+
+    def tie(v):
+        if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.inexact) and v.ndim > 0:
+            return v + zero.astype(v.dtype)
+        return v
+    return [tie(v) for v in vals]
+
+
+def recompute_region(fn: Callable, tie_mask: Sequence[bool], policy=None) -> Callable:
+    """`fn(*args)` whose backward recomputes it (saving only `policy` names) after the cotangent arrives.
+
+    Arguments flagged in `tie_mask` (activations, not parameters) and the values the policy
+    saves are tied to the cotangent before recomputation.
+    """
+    ckpt = jax.checkpoint(fn, policy=policy) if policy is not None else jax.checkpoint(fn)
+    meta: dict = {}  # static residual layout, recorded while tracing fwd
+
+    @jax.custom_vjp
+    def region(*args):
+        return fn(*args)
+
+    def fwd(*args):
+        if policy is None:
+            return fn(*args), tuple(args)
+        out, vjp_fn = jax.vjp(ckpt, *args)
+        leaves, tree = jax.tree.flatten(vjp_fn)
+        meta["tree"] = tree
+        meta["is_param"] = [any(l is a for a, m in zip(args, tie_mask) if not m) for l in leaves]
+        return out, tuple(leaves)
+
+    def bwd(res, ct):
+        if policy is None:
+            args = list(res)
+            tied = iter(_tie_to_cotangent([a for a, m in zip(args, tie_mask) if m], ct))
+            args = [next(tied) if m else a for a, m in zip(args, tie_mask)]
+            _, vjp_fn = jax.vjp(ckpt, *args)
+        else:
+            is_param = meta["is_param"]
+            tied = iter(_tie_to_cotangent([l for l, p in zip(res, is_param) if not p], ct))
+            leaves = [l if p else next(tied) for l, p in zip(res, is_param)]
+            vjp_fn = jax.tree.unflatten(meta["tree"], leaves)
+        cts = vjp_fn(ct)
+        return tuple(None if getattr(c, "dtype", None) == jax.dtypes.float0 else c for c in cts)
+
+    region.defvjp(fwd, bwd)
+    return region
+
+
+def lower(program: FlatProgram, chain: Chain, options: Mapping[int, BlockOption],
+          schedule: Schedule) -> Callable:
+    """A function of the program's flat inputs that runs `schedule` and returns flat outputs."""
+    invar_set = set(program.invars)
+
+    def run_region(start: int, stop: int, env: dict, body: Callable[[dict], None],
+                   policy_names: Sequence[str] | None, recompute: bool) -> None:
+        ins, outs = block_io(program, start, stop)
+        ins = tuple(v for v in ins if v not in program.consts)
+
+        def fn(*vals):
+            local = dict(zip(ins, vals))
+            body(local)
+            return tuple(local[o] for o in outs)
+
+        vals = [env[v] for v in ins]
+        if not recompute:
+            res = fn(*vals)
+        else:
+            tie_mask = [v not in invar_set and is_float(program.avals[v]) for v in ins]
+            policy = (jax.checkpoint_policies.save_only_these_names(*policy_names)
+                      if policy_names is not None else None)
+            res = recompute_region(fn, tie_mask, policy)(*vals)
+        env.update(zip(outs, res))
+
+    def run_block(b: int, env: dict) -> None:
+        blk = chain.blocks[b]
+        opt = options[b]
+        tag = f"rm{next(_uid)}"
+        if blk.is_scan:
+            run_region(blk.start, blk.stop, env, lambda e: _run_scan(program, blk, opt, e, tag),
+                       None, recompute=False)
+            return
+        names = {blk.start + i: f"{tag}_{blk.start + i}" for i in opt.kept}
+
+        def body(e):
+            eval_ops(program, blk.start, blk.stop, e, names)
+        run_region(blk.start, blk.stop, env, body, tuple(names.values()),
+                   recompute=not opt.keep_all)
+
+    def run_seq(tree: Schedule, env: dict) -> None:
+        if isinstance(tree, Leaf):
+            run_block(tree.block, env)
+            if tree.rest is not None:
+                run_seq(tree.rest, env)
+            return
+        start = chain.blocks[_first_block(tree.left)].start
+        stop = chain.blocks[tree.at - 1].stop
+        run_region(start, stop, env, lambda e: run_seq(tree.left, e), None, recompute=True)
+        run_seq(tree.right, env)
+
+    def run(*flat_args):
+        env = dict(zip(program.invars, flat_args))
+        run_seq(schedule, env)
+        return [lookup(program, env, v) for v in program.outvars]
+
+    return run
+
+
+def _first_block(tree: Schedule) -> int:
+    while isinstance(tree, Split):
+        tree = tree.left
+    return tree.block
+
+
+def _run_scan(program: FlatProgram, blk: Block, opt: BlockOption, env: dict, tag: str) -> None:
+    """Re-emit the scan with a body checkpointed under the option's name policy."""
+    op = program.ops[blk.start]
+    p = op.params
+    body = scan_body_program(op)
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    args = [lookup(program, env, a) for a in op.in_ids]
+    consts, init, xs = args[:nc], args[nc:nc + ncarry], args[nc + ncarry:]
+    names = {k: f"{tag}_{k}" for k in opt.kept}
+
+    def step(carry, x):
+        e = dict(zip(body.invars, list(consts) + list(carry) + list(x)))
+        eval_ops(body, 0, len(body.ops), e, names)
+        outs = [lookup(body, e, v) for v in body.outvars]
+        return outs[:ncarry], outs[ncarry:]
+
+    if not opt.keep_all:
+        step = jax.checkpoint(step, policy=jax.checkpoint_policies.save_only_these_names(*names.values()))
+    carry, ys = lax.scan(step, list(init), list(xs), length=p["length"], reverse=p["reverse"],
+                         unroll=p.get("unroll", 1))
+    for vid, val in zip(op.out_ids, list(carry) + list(ys)):
+        env[vid] = val

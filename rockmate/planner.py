@@ -1,0 +1,167 @@
+"""From a function and example arguments to a RematPlan: trace, cut into blocks, solve each
+distinct block's ILP once, then the sequence DP under the budget."""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import jax
+
+from .block_ilp import BlockOption, pareto_options
+from .blocks import Chain, block_graph, find_chain, scan_body_program
+from .jax_graph import FlatProgram, aval_bytes, flatten
+from .plan import BlockChoice, InfeasibleBudgetError, RematPlan
+from .sequence_dp import ChainBlock, ChainOption, min_peak, schedule_cost, solve_chain
+
+DP_UNITS = 400  # memory discretisation of the sequence DP
+# XLA temp memory the model does not see per block (fusion scratch, gradient accumulators).
+BASE_OVERHEAD_BYTES = 0
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced function: flat program, its chain of blocks and their options."""
+
+    program: FlatProgram
+    chain: Chain
+    options: tuple[tuple[BlockOption, ...], ...]  # per block, Pareto options
+    chain_blocks: tuple[ChainBlock, ...]  # per block, options in bytes
+    in_tree: Any
+    out_tree: Any
+    fingerprint: str
+
+
+def trace(f: Callable, args: tuple, kwargs: Mapping | None = None) -> tuple[FlatProgram, Any, Any]:
+    """Flat program of f(*args), with input and output tree structures."""
+    kwargs = dict(kwargs or {})
+    flat, in_tree = jax.tree.flatten((args, kwargs))
+
+    def flat_f(*leaves):
+        a, k = jax.tree.unflatten(in_tree, leaves)
+        return f(*a, **k)
+    closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*flat)
+    return flatten(closed), in_tree, jax.tree.structure(out_shape)
+
+
+def fingerprint(program: FlatProgram, chain: Chain) -> str:
+    h = hashlib.sha1()
+    h.update(repr([str(a) for a in (program.avals[i] for i in program.invars)]).encode())
+    h.update(repr([(b.start, b.stop, b.signature) for b in chain.blocks]).encode())
+    return h.hexdigest()[:20]
+
+
+def analyze(f: Callable, args: tuple, profile: Mapping[str, float] | None = None,
+            ilp_time_limit_s: float = 5.0) -> Traced:
+    """Trace `f`, cut it into blocks and solve the block ILP once per distinct block."""
+    program, in_tree, out_tree = trace(f, args)
+    chain = find_chain(program)
+    cache: dict[str, tuple[tuple[BlockOption, ...], ChainBlock]] = {}
+    opts, cblocks = [], []
+    for blk in chain.blocks:
+        if blk.signature not in cache:
+            cache[blk.signature] = _block_options(program, blk, profile, ilp_time_limit_s)
+        o, c = cache[blk.signature]
+        opts.append(o)
+        cblocks.append(c)
+    return Traced(program, chain, tuple(opts), tuple(cblocks), in_tree, out_tree,
+                  fingerprint(program, chain))
+
+
+def _block_options(program, blk, profile, time_limit_s):
+    if not blk.is_scan:
+        g = block_graph(program, blk.start, blk.stop, profile)
+        options = pareto_options(g, time_limit_s=time_limit_s)
+        cb = ChainBlock(tuple(ChainOption(o.fwd_time_s, o.bwd_time_s, o.kept_bytes, o.fwd_peak_bytes,
+                                          o.bwd_peak_bytes) for o in options),
+                        nr_time_s=sum(g.times_s), nr_peak=g.fwd_ws_bytes)
+        return options, cb
+    op = program.ops[blk.start]
+    body = scan_body_program(op)
+    g = block_graph(body, 0, len(body.ops), profile)
+    options = pareto_options(g, time_limit_s=time_limit_s)
+    length = op.params["length"]
+    nc, ncarry = op.params["num_consts"], op.params["num_carry"]
+    carry_bytes = sum(aval_bytes(program.avals[a]) for a in op.in_ids[nc:nc + ncarry])
+    # per iteration the checkpointed body saves its carry input and its kept values
+    copts = []
+    for o in options:
+        kept = length * (o.kept_bytes + carry_bytes)
+        copts.append(ChainOption(length * o.fwd_time_s, length * o.bwd_time_s, kept,
+                                 kept + g.fwd_ws_bytes, kept + o.bwd_peak_bytes - o.kept_bytes))
+    cb = ChainBlock(tuple(copts), nr_time_s=length * sum(g.times_s), nr_peak=g.fwd_ws_bytes)
+    return options, cb
+
+
+def _scaled(cblocks, cut_bytes, unit: float):
+    """Chain in integer units: sizes rounded up (so a fitting schedule fits in bytes)."""
+    up = lambda b: int(math.ceil(b / unit))  # noqa: E731
+    blocks = tuple(ChainBlock(tuple(ChainOption(o.fwd_time_s, o.bwd_time_s, up(o.kept), up(o.fwd_peak),
+                                                up(o.bwd_peak)) for o in cb.options),
+                              cb.nr_time_s, up(cb.nr_peak)) for cb in cblocks)
+    return blocks, [up(a) for a in cut_bytes[1:-1]]
+
+
+def _slots(chain: Chain) -> list[int]:
+    # slot 0 = program inputs (arguments, not temp); last slot = program outputs (not temp)
+    return [0] + list(chain.cut_bytes[1:-1]) + [0]
+
+
+def fixed_bytes(chain: Chain) -> int:
+    """Temp memory outside the DP's control: values shared by several blocks."""
+    return chain.side_bytes + BASE_OVERHEAD_BYTES
+
+
+def min_budget_of(t: Traced) -> int:
+    """Smallest temp memory any schedule reaches (bytes, in the model)."""
+    return fixed_bytes(t.chain) + min_peak(t.chain_blocks, _slots(t.chain))[0]
+
+
+def make_plan(t: Traced, budget_bytes: int, units: int = DP_UNITS) -> RematPlan:
+    """Solve the sequence DP for `budget_bytes` and package the result."""
+    t0 = time.perf_counter()
+    lowest = min_budget_of(t)
+    avail = budget_bytes - fixed_bytes(t.chain)
+    if budget_bytes < lowest:
+        raise InfeasibleBudgetError(budget_bytes, lowest)
+    slots = _slots(t.chain)
+    unit = max(avail / units, 1.0)
+    sblocks, inner = _scaled(t.chain_blocks, slots, unit)
+    res = solve_chain(sblocks, [0] + inner + [0], int(avail // unit))
+    if res is None:
+        # rounding sizes up to units can lose a feasible budget near the minimum:
+        # fall back to the exact least-memory schedule
+        tree = min_peak(t.chain_blocks, slots)[1]
+    else:
+        tree = res[1]
+    time_s, peak = schedule_cost(t.chain_blocks, slots, tree, 0, len(t.chain_blocks) - 1)
+    chosen = _chosen_options(tree)
+    choices = []
+    for i, blk in enumerate(t.chain.blocks):
+        o = t.options[i][chosen[i]]
+        choices.append(BlockChoice(blk.start, blk.stop, blk.is_scan, o.kept, o.keep_all,
+                                   t.chain_blocks[i].options[chosen[i]].kept,
+                                   t.chain_blocks[i].options[chosen[i]].fwd_time_s,
+                                   t.chain_blocks[i].options[chosen[i]].bwd_time_s))
+    return RematPlan(budget_bytes=budget_bytes, min_budget_bytes=lowest,
+                     predicted_temp_bytes=int(fixed_bytes(t.chain) + peak), predicted_time_s=time_s,
+                     blocks=tuple(choices), schedule=tree, fingerprint=t.fingerprint,
+                     solve_time_s=time.perf_counter() - t0)
+
+
+def _chosen_options(tree) -> dict[int, int]:
+    from .sequence_dp import Leaf
+    out: dict[int, int] = {}
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if x is None:
+            continue
+        if isinstance(x, Leaf):
+            out[x.block] = x.option
+            stack.append(x.rest)
+        else:
+            stack.extend([x.left, x.right])
+    return out
