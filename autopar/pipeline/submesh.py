@@ -1,0 +1,64 @@
+"""Submesh shapes of a cluster (Alpa): 1 x 2^k inside a host, or n whole hosts; their
+logical 2-D mesh shapes; and a placement of a list of submeshes onto the devices."""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def submesh_shapes(num_hosts: int, devices_per_host: int) -> list[tuple[int, int]]:
+    """(1, 1), (1, 2), (1, 4), ..., (1, M), (2, M), ..., (H, M)."""
+    if num_hosts < 1 or devices_per_host < 1:
+        raise ValueError("need at least one host and one device per host")
+    shapes = []
+    k = 1
+    while k < devices_per_host:
+        shapes.append((1, k))
+        k *= 2
+    shapes += [(n, devices_per_host) for n in range(1, num_hosts + 1)]
+    return shapes
+
+
+def logical_mesh_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
+    """All 2-D views (a, b) with a * b = devices of the submesh, a = data-parallel axis."""
+    d = submesh[0] * submesh[1]
+    return [(a, d // a) for a in range(1, d + 1) if d % a == 0]
+
+
+def assign_devices(shapes: Sequence[tuple[int, int]], num_hosts: int,
+                   devices_per_host: int) -> list[list[int]]:
+    """Device indices (host * devices_per_host + slot) for each submesh, covering the
+    cluster exactly: whole-host submeshes first, then 1 x 2^k ones largest first into the
+    lowest free aligned slot (always possible when host width is a power of two)."""
+    M = devices_per_host
+    total = sum(n * m for n, m in shapes)
+    if total != num_hosts * M:
+        raise ValueError(f"submeshes {list(shapes)} use {total} devices but the cluster has "
+                         f"{num_hosts} x {M} = {num_hosts * M}")
+    for n, m in shapes:
+        if not ((n == 1 and m <= M and M % m == 0) or m == M):
+            raise ValueError(f"submesh ({n}, {m}) is not 1 x k inside a host or n x {M} whole hosts")
+    free = [[True] * M for _ in range(num_hosts)]
+    out: list[list[int] | None] = [None] * len(shapes)
+    host = 0
+    for i, (n, m) in enumerate(shapes):
+        if m == M and (n > 1 or m == M):
+            out[i] = [h * M + j for h in range(host, host + n) for j in range(M)]
+            for h in range(host, host + n):
+                free[h] = [False] * M
+            host += n
+    order = sorted((i for i in range(len(shapes)) if out[i] is None), key=lambda i: -shapes[i][1])
+    for i in order:
+        m = shapes[i][1]
+        placed = False
+        for h in range(num_hosts):
+            for start in range(0, M, m):
+                if all(free[h][start:start + m]):
+                    out[i] = [h * M + j for j in range(start, start + m)]
+                    free[h][start:start + m] = [False] * m
+                    placed = True
+                    break
+            if placed:
+                break
+        if not placed:
+            raise ValueError(f"cannot place submeshes {list(shapes)} on {num_hosts} x {M} devices")
+    return out  # type: ignore[return-value]
