@@ -7,6 +7,7 @@ update) runs per stage on the parameters each stage owns.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -110,7 +111,9 @@ class _JittedProgram:
         self.jitted = jax.jit(fn)
         self.compiled = None
         self.compiler_options = compiler_options
-        sub = jcore.Jaxpr(jaxpr.constvars, list(prog.invars), list(prog.outvars), eqns)
+        with warnings.catch_warnings():   # a cache key only: no debug info needed
+            warnings.simplefilter("ignore", DeprecationWarning)
+            sub = jcore.Jaxpr(jaxpr.constvars, list(prog.invars), list(prog.outvars), eqns)
         self.key = (str(sub), tuple(sorted((compiler_options or {}).items())))
 
     def __call__(self, *ins):

@@ -7,6 +7,7 @@ next stage with `jax.device_put`; JAX's asynchronous dispatch overlaps the stage
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -52,8 +53,10 @@ def jaxpr_key(closed_jaxpr: Any, eqn_range: tuple[int, int], invars: Sequence[An
     """Text of a slice of a jaxpr (with its constants' digests): equal keys compute the
     same function, so their compiled programs can be shared."""
     jaxpr = closed_jaxpr.jaxpr
-    sub = jcore.Jaxpr(jaxpr.constvars, list(invars), list(outvars),
-                      jaxpr.eqns[eqn_range[0]:eqn_range[1]])
+    with warnings.catch_warnings():   # a key only: no debug info needed
+        warnings.simplefilter("ignore", DeprecationWarning)
+        sub = jcore.Jaxpr(jaxpr.constvars, list(invars), list(outvars),
+                          jaxpr.eqns[eqn_range[0]:eqn_range[1]])
     digests = tuple((np.shape(c), str(np.asarray(c).dtype), hash(np.asarray(c).tobytes()))
                     for c in closed_jaxpr.consts)
     return f"{sub}\n{digests}"
