@@ -66,13 +66,14 @@ def stage_dp(time_s: np.ndarray, submesh_sizes: Sequence[int], num_devices: int,
     candidates = np.unique(time_s[ok])
     best: tuple[float, float, list] | None = None
     tried = 0
-    last = -np.inf
-    for t_max in candidates:
-        if best is not None and B * t_max >= best[0]:
+    k = 0
+    while k < len(candidates):
+        # a window of bounds within (1 + eps) of its smallest: evaluate only its largest
+        lo = candidates[k]
+        k = int(np.searchsorted(candidates, lo * (1.0 + imbalance_tolerance), side="right"))
+        t_max = candidates[k - 1]
+        if best is not None and B * lo >= best[0]:
             break
-        if t_max <= last * (1.0 + imbalance_tolerance) and imbalance_tolerance > 0:
-            continue
-        last = t_max
         tried += 1
         cost = np.where(ok & (time_s <= t_max), time_s + extra, np.inf)
         F = np.full((L + 1, N + 1), np.inf)
@@ -96,9 +97,11 @@ def stage_dp(time_s: np.ndarray, submesh_sizes: Sequence[int], num_devices: int,
             choices.append(arg)
             F = newF
             if s in stage_range and np.isfinite(F[0, N]):
-                latency = F[0, N] + (B - 1) * t_max
-                if best is None or latency < best[0] - 1e-15:
-                    best = (latency, t_max, _reconstruct(choices, s, L, N, sizes))
+                stages = _reconstruct(choices, s, L, N, sizes)
+                times = [time_s[c.start, c.end - 1, c.submesh, s - 1 - n] for n, c in enumerate(stages)]
+                latency = F[0, N] + (B - 1) * max(times)
+                if best is None or latency < best[0] * (1 - 1e-12):
+                    best = (latency, max(times), stages)
     if best is None:
         raise ValueError("no pipeline fits: every stage choice exceeds the memory limit or "
                          "cannot use all devices; add devices, lower the batch size, or "

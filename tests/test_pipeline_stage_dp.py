@@ -1,0 +1,136 @@
+"""Stage DP (Alpa) against brute force on random small cost tensors, and submeshes."""
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from autopar.pipeline.stage_dp import stage_dp
+from autopar.pipeline.submesh import assign_devices, logical_mesh_shapes, submesh_shapes
+
+
+def brute_force(time, it, mem, limit, sizes, N, B, num_stages=None):
+    """Every split of the layers into contiguous stages and every submesh per stage."""
+    L, _, M, S = time.shape
+    best = np.inf
+    for s in range(1, S + 1):
+        if num_stages is not None and s != num_stages:
+            continue
+        for cuts in itertools.combinations(range(1, L), s - 1):
+            bounds = [0, *cuts, L]
+            for subs in itertools.product(range(M), repeat=s):
+                if sum(sizes[m] for m in subs) != N:
+                    continue
+                ts, total, ok = [], 0.0, True
+                for n, m in enumerate(subs):
+                    i, j, k = bounds[n], bounds[n + 1] - 1, s - 1 - n
+                    if not np.isfinite(time[i, j, m, k]) or mem[i, j, m, k] > limit:
+                        ok = False
+                        break
+                    ts.append(time[i, j, m, k])
+                    total += time[i, j, m, k] + it[i, j, m, k]
+                if ok:
+                    best = min(best, total + (B - 1) * max(ts))
+    return best
+
+
+def random_instance(rng):
+    L = rng.randint(1, 5)
+    sizes = [1, 2, 4]
+    N = rng.choice([1, 2, 4, 6, 8])
+    S = rng.randint(1, min(L, N))
+    shape = (L, L, len(sizes), S)
+    nprng = np.random.default_rng(rng.randint(0, 10**6))
+    # time falls with more devices, with noise; some entries impossible
+    layer_work = nprng.uniform(0.5, 2.0, size=L)
+    time = np.empty(shape)
+    for i in range(L):
+        for j in range(L):
+            for m, d in enumerate(sizes):
+                time[i, j, m, :] = layer_work[i:j + 1].sum() / d ** nprng.uniform(0.5, 1.0) \
+                    + nprng.uniform(0, 0.3, size=S)
+    time[nprng.random(shape) < 0.1] = np.inf
+    it = nprng.uniform(0, 0.5, size=shape)
+    mem = nprng.uniform(0, 10, size=shape) * (1 + np.arange(S))  # more in flight, more memory
+    limit = rng.choice([np.inf, 15.0, 25.0])
+    B = rng.choice([1, 2, 4, 8])
+    return time, it, mem, limit, sizes, N, B
+
+
+def test_stage_dp_equals_brute_force_on_random_instances():
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(150):
+        time, it, mem, limit, sizes, N, B = random_instance(rng)
+        fixed = rng.choice([None, None, rng.randint(1, time.shape[3])])
+        want = brute_force(time, it, mem, limit, sizes, N, B, fixed)
+        if not np.isfinite(want):
+            with pytest.raises(ValueError, match="no pipeline fits"):
+                stage_dp(time, sizes, N, B, iteration_s=it, memory_bytes=mem,
+                         memory_limit_bytes=limit, num_stages=fixed)
+            continue
+        got = stage_dp(time, sizes, N, B, iteration_s=it, memory_bytes=mem,
+                       memory_limit_bytes=limit, num_stages=fixed)
+        assert got.latency_s == pytest.approx(want, rel=1e-9)
+        # the returned stages really have that latency and respect every constraint
+        S = len(got.stages)
+        assert got.stages[0].start == 0 and got.stages[-1].end == time.shape[0]
+        assert sum(sizes[c.submesh] for c in got.stages) == N
+        ts = [time[c.start, c.end - 1, c.submesh, S - 1 - n] for n, c in enumerate(got.stages)]
+        total = sum(time[c.start, c.end - 1, c.submesh, S - 1 - n] + it[c.start, c.end - 1, c.submesh, S - 1 - n]
+                    for n, c in enumerate(got.stages))
+        assert all(mem[c.start, c.end - 1, c.submesh, S - 1 - n] <= limit for n, c in enumerate(got.stages))
+        assert total + (B - 1) * max(ts) == pytest.approx(got.latency_s, rel=1e-9)
+        checked += 1
+    assert checked > 80
+
+
+def test_imbalance_tolerance_prunes_within_its_bound():
+    rng = random.Random(1)
+    fewer = 0
+    for _ in range(60):
+        time, it, mem, limit, sizes, N, B = random_instance(rng)
+        try:
+            exact = stage_dp(time, sizes, N, B, iteration_s=it, memory_bytes=mem, memory_limit_bytes=limit)
+        except ValueError:
+            continue
+        eps = 0.2
+        pruned = stage_dp(time, sizes, N, B, iteration_s=it, memory_bytes=mem,
+                          memory_limit_bytes=limit, imbalance_tolerance=eps)
+        assert exact.latency_s - 1e-9 <= pruned.latency_s <= (1 + eps) * exact.latency_s + 1e-9
+        fewer += pruned.bounds_tried < exact.bounds_tried
+    assert fewer > 0
+
+
+def test_submesh_shapes_and_logical_meshes():
+    assert submesh_shapes(2, 8) == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]
+    assert submesh_shapes(1, 1) == [(1, 1)]
+    assert logical_mesh_shapes((2, 8)) == [(1, 16), (2, 8), (4, 4), (8, 2), (16, 1)]
+
+
+def test_assign_devices_covers_the_cluster_exactly():
+    rng = random.Random(2)
+    placed = 0
+    for _ in range(200):
+        H, M = rng.choice([(1, 8), (2, 8), (4, 4), (3, 8)])
+        shapes, left = [], H * M
+        while left:
+            opts = [s for s in submesh_shapes(H, M) if s[0] * s[1] <= left
+                    and (s[1] == M or s[0] * s[1] <= left % M or left % M == 0)]
+            s = rng.choice(opts)
+            shapes.append(s)
+            left -= s[0] * s[1]
+        try:
+            ids = assign_devices(shapes, H, M)
+        except ValueError:
+            continue
+        placed += 1
+        flat = sorted(i for group in ids for i in group)
+        assert flat == list(range(H * M))
+        for (n, m), group in zip(shapes, ids):
+            assert len(group) == n * m
+            if n == 1:
+                assert len({i // M for i in group}) == 1          # inside one host
+    assert placed > 150
+    with pytest.raises(ValueError, match="use 4 devices"):
+        assign_devices([(1, 4)], 1, 8)
