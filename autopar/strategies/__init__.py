@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from autopar.graph.op_graph import Op, OpGraph, TensorSpec
 from autopar.sharding_spec import Strategy
-from autopar.strategies import dot, elementwise, reduce, shape_ops
+from autopar.strategies import conv, dot, elementwise, indexing, reduce, shape_ops
 from autopar.strategies.layouts import replicated_strategy
 
 Rule = Callable[[Op, tuple, tuple, Any], list[Strategy]]
@@ -41,7 +41,10 @@ RULES.update({
     "pad": shape_ops.pad_strategies,
     "rev": shape_ops.rev_strategies,
     "iota": shape_ops.iota_strategies,
+    "gather": indexing.gather_strategies,
+    "conv_general_dilated": conv.conv_strategies,
 })
+RULES.update({p: indexing.scatter_strategies for p in indexing.SCATTER_PRIMITIVES})
 
 # Ops planned whole on every device on purpose (no warning): control flow whose bodies are
 # planned elsewhere or not at all, and random-number generation whose bits must not depend
