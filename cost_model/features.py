@@ -1,0 +1,43 @@
+"""Program features for cost models. A program is a list of per-statement feature dicts
+(names in STATEMENT_FEATURES, produced by the search's lowering); models see one fixed-size
+vector per program: the sum and the max over statements of log-scaled statement features."""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+
+STATEMENT_FEATURES: tuple[str, ...] = (
+    # floating-point work, by kind, times the trip count of the enclosing loops
+    "flops_add", "flops_mul", "flops_div", "flops_cmp", "flops_math", "flops_total",
+    "is_reduction", "is_init",
+    # loop nest
+    "n_loops", "iterations", "innermost_extent", "outer_parallel_extent",
+    "vector_len", "unroll_product", "n_unrolled_loops",
+    # memory: bytes touched by the whole nest and by the innermost 1..4 loops, reuse, strides
+    "bytes_total", "bytes_inner1", "bytes_inner2", "bytes_inner3", "bytes_inner4",
+    "n_buffers", "n_local_buffers", "reuse_min", "reuse_max",
+    "innermost_stride_max", "innermost_stride_nonunit", "write_innermost_stride",
+    "local_alloc_bytes", "arithmetic_intensity",
+)
+
+Statement = Mapping[str, float]
+
+
+def _scale(x: float) -> float:
+    return math.copysign(math.log2(1.0 + abs(x)), x)
+
+
+def program_vector(statements: Sequence[Statement]) -> np.ndarray:
+    """Sum and max of log-scaled statement features, plus the statement count."""
+    if not statements:
+        return np.zeros(2 * len(STATEMENT_FEATURES) + 1, dtype=np.float32)
+    m = np.array([[_scale(float(s.get(k, 0.0))) for k in STATEMENT_FEATURES] for s in statements], dtype=np.float32)
+    return np.concatenate([m.sum(0), m.max(0), [len(statements)]]).astype(np.float32)
+
+
+def feature_matrix(programs: Sequence[Sequence[Statement]]) -> np.ndarray:
+    if not programs:
+        return np.zeros((0, 2 * len(STATEMENT_FEATURES) + 1), dtype=np.float32)
+    return np.stack([program_vector(p) for p in programs])

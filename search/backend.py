@@ -1,0 +1,103 @@
+"""Code-generation backends: how a program state becomes a loadable kernel on one target.
+The C/OpenMP backend is the CPU one; a Pallas backend for GPU plugs in behind the same interface."""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from .codegen_c import KERNEL_SYMBOL, to_c_source
+from .lower import lower
+from .schedule import State
+from .target import cpu_target, target_key
+
+# -ffast-math lets gcc vectorize reductions and call libmvec's vector expf/tanhf. Every
+# candidate is still checked against float64 numpy with the tolerance in measure.py.
+C_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-shared")
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    path: str | None
+    error: str | None
+    build_time_s: float
+
+
+class Backend(Protocol):
+    name: str
+
+    def target(self) -> dict[str, Any]: ...
+    def source(self, state: State) -> str: ...
+    def build(self, sources: list[str], timeout_s: float) -> list[BuildResult]: ...
+    def load(self, path: str, n_args: int) -> Callable[..., None]: ...
+
+
+class CBackend:
+    """Plain C with OpenMP pragmas, compiled by the system C compiler, loaded with ctypes."""
+
+    name = "c"
+
+    def __init__(self, compiler: str = "gcc", workdir: str | None = None, n_parallel: int | None = None):
+        self.compiler = compiler
+        self.workdir = workdir or tempfile.mkdtemp(prefix="autopar_kernels_")
+        self.n_parallel = n_parallel or max(1, os.cpu_count() or 1)
+        self._count = 0
+
+    def target(self) -> dict[str, Any]:
+        return cpu_target(self.compiler)
+
+    def target_key(self) -> str:
+        return target_key(self.target())
+
+    def source(self, state: State) -> str:
+        return to_c_source(lower(state))
+
+    def build(self, sources: list[str], timeout_s: float = 30.0) -> list[BuildResult]:
+        """Compile sources in parallel compiler processes (at most n_parallel at once)."""
+        results: list[BuildResult | None] = [None] * len(sources)
+        pending = list(range(len(sources)))
+        running: list[tuple[int, subprocess.Popen, float, str]] = []
+        while pending or running:
+            while pending and len(running) < self.n_parallel:
+                i = pending.pop(0)
+                self._count += 1
+                stem = os.path.join(self.workdir, f"k{os.getpid()}_{self._count}")
+                with open(stem + ".c", "w") as f:
+                    f.write(sources[i])
+                cmd = [self.compiler, *C_FLAGS, "-o", stem + ".so", stem + ".c", "-lm"]
+                p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                running.append((i, p, time.perf_counter(), stem))
+            time.sleep(0.01)
+            still = []
+            for i, p, t0, stem in running:
+                dt = time.perf_counter() - t0
+                if p.poll() is None and dt < timeout_s:
+                    still.append((i, p, t0, stem))
+                    continue
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                    results[i] = BuildResult(None, f"build timeout after {timeout_s:.0f} s", dt)
+                elif p.returncode != 0:
+                    results[i] = BuildResult(None, "build error: " + (p.stderr.read() or "")[-2000:], dt)
+                else:
+                    results[i] = BuildResult(stem + ".so", None, dt)
+                p.stderr.close()
+            running = still
+        return results  # type: ignore[return-value]
+
+    def load(self, path: str, n_args: int) -> Callable[..., None]:
+        fn = getattr(ctypes.CDLL(path), KERNEL_SYMBOL)
+        fn.argtypes = [ctypes.c_void_p] * n_args
+        fn.restype = None
+        return fn
+
+
+def call_kernel(fn: Callable[..., None], arrays: list[np.ndarray]) -> None:
+    fn(*[a.ctypes.data for a in arrays])

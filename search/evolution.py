@@ -1,0 +1,160 @@
+"""Search policies behind one interface: `next_batch(n) -> schedules`, `update(schedules, records)`.
+
+EvolutionarySearch is Ansor's policy: a population from random annotations of the sketches
+plus the best measured schedules, evolved for a few generations by mutation and crossover
+with selection by cost-model score; the batch to measure is the best predicted unmeasured
+schedules plus an epsilon share of random ones; the model is retrained after each batch.
+RandomSearch measures random annotations of random sketches."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from typing import Protocol, Sequence
+
+from cost_model import XGBoostCostModel
+
+from .features import statement_features
+from .lower import lower
+from .mutation import crossover, mutate
+from .record import TuningRecord
+from .schedule import Step, replay
+from .sketch import generate_sketches, sample_schedules
+from .task import Task
+
+
+def schedule_key(steps: list[Step]) -> str:
+    return json.dumps(steps, sort_keys=True)
+
+
+class SearchPolicy(Protocol):
+    def next_batch(self, n: int) -> list[list[Step]]: ...
+    def update(self, schedules: Sequence[list[Step]], records: Sequence[TuningRecord]) -> None: ...
+
+
+class RandomSearch:
+    """Baseline: random annotations of random sketches, never measuring one twice."""
+
+    def __init__(self, task: Task, seed: int = 0):
+        self.task = task
+        self.rng = random.Random(seed)
+        self.sketches = generate_sketches(task.dag)
+        self.measured: set[str] = set()
+
+    def next_batch(self, n: int) -> list[list[Step]]:
+        out: list[list[Step]] = []
+        for _ in range(4):
+            for s in sample_schedules(self.sketches, self.task.dag, n, self.rng):
+                k = schedule_key(s)
+                if k not in self.measured and len(out) < n:
+                    self.measured.add(k)
+                    out.append(s)
+            if len(out) >= n:
+                break
+        return out
+
+    def update(self, schedules, records) -> None:
+        self.measured.update(schedule_key(s) for s in schedules)
+
+
+class EvolutionarySearch:
+    """Ansor's evolutionary search guided by a learned cost model."""
+
+    def __init__(self, task: Task, cost_model: XGBoostCostModel | None = None, seed: int = 0,
+                 population: int = 64, generations: int = 3, eps_greedy: float = 0.1,
+                 mutation_prob: float = 0.85, elite: int = 8):
+        self.task = task
+        self.model = cost_model if cost_model is not None else XGBoostCostModel(seed=seed)
+        self.rng = random.Random(seed)
+        self.sketches = generate_sketches(task.dag)
+        self.population, self.generations = population, generations
+        self.eps_greedy, self.mutation_prob, self.elite = eps_greedy, mutation_prob, elite
+        self.measured: dict[str, float] = {}   # schedule key -> latency (inf when failed)
+        self.best: list[tuple[float, list[Step]]] = []
+        self._features: dict[str, list[dict[str, float]]] = {}
+
+    # ---- cost model ----
+    def features(self, steps: list[Step]) -> list[dict[str, float]]:
+        k = schedule_key(steps)
+        if k not in self._features:
+            self._features[k] = statement_features(lower(replay(self.task.dag, steps)))
+        return self._features[k]
+
+    def scores(self, pop: list[list[Step]]) -> list[float]:
+        return list(self.model.predict([self.features(s) for s in pop]))
+
+    def update(self, schedules: Sequence[list[Step]], records: Sequence[TuningRecord]) -> None:
+        """Remember measurements, keep the best schedules, retrain the cost model on all data."""
+        feats, lats = [], []
+        for s, r in zip(schedules, records):
+            self.measured[schedule_key(s)] = r.latency_s
+            if r.ok:
+                self.best.append((r.latency_s, s))
+                try:
+                    feats.append(self.features(s))
+                    lats.append(r.latency_s)
+                except Exception:
+                    continue
+        self.best.sort(key=lambda x: x[0])
+        del self.best[self.elite * 4:]
+        if feats:
+            self.model.update(feats, lats, [self.task.workload_key] * len(feats))
+
+    # ---- evolution ----
+    def _select(self, pop: list[list[Step]], scores: list[float]) -> list[Step]:
+        """Fitness-proportional choice (softmax of standardised scores)."""
+        mu = sum(scores) / len(scores)
+        sd = math.sqrt(sum((x - mu) ** 2 for x in scores) / len(scores)) or 1.0
+        w = [math.exp(min(30.0, (x - mu) / sd)) for x in scores]
+        return self.rng.choices(pop, weights=w, k=1)[0]
+
+    def evolve(self) -> list[tuple[float, list[Step]]]:
+        """Candidates seen during evolution with their scores, best first, unmeasured only."""
+        dag = self.task.dag
+        pop = [s for _, s in self.best[:self.elite]]
+        pop += sample_schedules(self.sketches, dag, self.population - len(pop), self.rng)
+        seen: dict[str, tuple[float, list[Step]]] = {}
+        for _ in range(self.generations + 1):
+            sc = self.scores(pop)
+            for s, x in zip(pop, sc):
+                k = schedule_key(s)
+                if k not in self.measured:
+                    seen[k] = (x, s)
+            nxt: list[list[Step]] = []
+            for _ in range(len(pop) * 2):
+                if len(nxt) >= self.population:
+                    break
+                if self.rng.random() < self.mutation_prob:
+                    child = mutate(dag, self._select(pop, sc), self.rng)
+                else:
+                    child = crossover(dag, self._select(pop, sc), self._select(pop, sc), self.rng)
+                if child is not None:
+                    nxt.append(child)
+            pop = nxt or pop
+        return sorted(seen.values(), key=lambda x: -x[0])
+
+    def next_batch(self, n: int) -> list[list[Step]]:
+        """(1 - eps) * n best predicted unmeasured schedules, the rest random (exploration)."""
+        cold = getattr(self.model, "n_samples", 1 << 30) < 4
+        # without a trained model the first batch is random
+        ranked: list[tuple[float, list[Step]]] = [] if cold else self.evolve()
+        n_random = max(1, int(round(n * self.eps_greedy))) if ranked else n
+        out, keys = [], set()
+        for _, s in ranked:
+            if len(out) >= n - n_random:
+                break
+            k = schedule_key(s)
+            if k not in keys:
+                keys.add(k)
+                out.append(s)
+        for _ in range(4):
+            for s in sample_schedules(self.sketches, self.task.dag, n - len(out), self.rng):
+                k = schedule_key(s)
+                if k not in keys and k not in self.measured and len(out) < n:
+                    keys.add(k)
+                    out.append(s)
+            if len(out) >= n:
+                break
+        for s in out:
+            self.measured.setdefault(schedule_key(s), math.inf)
+        return out

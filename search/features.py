@@ -1,0 +1,90 @@
+"""Per-statement features of a lowered program, as plain dicts for `cost_model`."""
+from __future__ import annotations
+
+from .expr import Expr, Load, Var, op_counts, rebuild, variables
+from .lower import Alloc, For, Program, Store, _linear
+
+
+def _touched(index: Expr, loops: list[For]) -> tuple[int, int]:
+    """(distinct elements touched by the loops, stride of the innermost loop) for one access."""
+    used = variables(index)
+    n = 1
+    for lp in loops:
+        if lp.var in used:
+            n *= lp.extent
+    stride = 0
+    if loops:
+        coeffs, _ = _linear(index)
+        stride = abs(coeffs.get(Var(loops[-1].var), 0))
+        if not stride and loops[-1].var in used:
+            stride = 1  # used through a fused (div/mod) index
+    return n, stride
+
+
+def _statement(st: Store, loops: list[For], local_bytes: int) -> dict[str, float]:
+    trips = 1
+    for lp in loops:
+        trips *= lp.extent
+    ops = op_counts(st.value)
+    if st.reduce_op:
+        ops["add" if st.reduce_op == "sum" else "cmp"] += 1
+    f: dict[str, float] = {f"flops_{k}": v * trips for k, v in ops.items()}
+    f["flops_total"] = sum(ops.values()) * trips
+    f["is_reduction"] = float(st.reduce_op is not None)
+    f["is_init"] = float(not st.reduce_op and not list(_loads(st.value)) and st.buffer.scope != "output")
+    f["n_loops"] = len(loops)
+    f["iterations"] = trips
+    f["innermost_extent"] = loops[-1].extent if loops else 1
+    f["outer_parallel_extent"] = next((lp.extent for lp in loops if lp.ann == "parallel"), 0)
+    f["vector_len"] = next((lp.extent for lp in loops if lp.ann == "vectorize"), 0)
+    unrolled = [lp.extent for lp in loops if lp.ann == "unroll"]
+    f["n_unrolled_loops"] = len(unrolled)
+    p = 1
+    for e in unrolled:
+        p *= e
+    f["unroll_product"] = p if unrolled else 0
+    accesses = [(st.buffer.name, st.buffer.scope, st.index)] + [(ld.tensor, "", ld.index[0]) for ld in _loads(st.value)]
+    total, reuse, strides = 0, [], []
+    inner = [0, 0, 0, 0]
+    for name, scope, ix in accesses:
+        n, s = _touched(ix, loops)
+        total += 4 * n
+        reuse.append(trips / max(n, 1))
+        strides.append(s)
+        for k in range(4):
+            inner[k] += 4 * _touched(ix, loops[len(loops) - k - 1:] if k < len(loops) else loops)[0]
+    f["bytes_total"] = total
+    for k in range(4):
+        f[f"bytes_inner{k + 1}"] = inner[k]
+    f["n_buffers"] = len({a[0] for a in accesses})
+    f["n_local_buffers"] = float(st.buffer.scope == "local")
+    f["reuse_min"], f["reuse_max"] = min(reuse), max(reuse)
+    f["innermost_stride_max"] = max(strides)
+    f["innermost_stride_nonunit"] = sum(1 for s in strides if s > 1)
+    f["write_innermost_stride"] = strides[0]
+    f["local_alloc_bytes"] = local_bytes
+    f["arithmetic_intensity"] = f["flops_total"] / max(total, 1)
+    return f
+
+
+def _loads(e: Expr):
+    out: list[Load] = []
+    rebuild(e, lambda n: (out.append(n) if isinstance(n, Load) else None) or n)
+    return out
+
+
+def statement_features(prog: Program) -> list[dict[str, float]]:
+    """One feature dict per store statement, in program order."""
+    out: list[dict[str, float]] = []
+
+    def walk(nodes, loops: list[For], local_bytes: int) -> None:
+        for n in nodes:
+            if isinstance(n, Alloc):
+                local_bytes += 4 * n.buffer.size
+            elif isinstance(n, For):
+                walk(n.body, loops + [n], local_bytes)
+            elif isinstance(n, Store):
+                out.append(_statement(n, loops, local_bytes))
+
+    walk(prog.body, [], 0)
+    return out

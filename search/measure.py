@@ -1,0 +1,144 @@
+"""Measurement: build candidates in parallel, run each in a separate runner process that checks
+the output against a float64 numpy reference and times it. Failures become error records."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .backend import CBackend
+from .record import TuningRecord
+from .schedule import ScheduleError, Step, replay
+from .task import Task
+
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class MeasureOptions:
+    """Tolerance: max |out - ref| <= rtol * max |ref| (fp32 with -ffast-math; 1e-4 is ~1000 ulp)."""
+
+    rtol: float = 1e-4
+    warmup: int = 1
+    repeats: int = 5
+    min_time_s: float = 0.05          # keep repeating small kernels up to this much time
+    max_time_s: float = 1.0           # stop repeating slow kernels after this much
+    build_timeout_s: float = 15.0
+    run_timeout_s: float = 20.0
+
+
+class Runner:
+    """A persistent runner process for one task; restarted after a crash or a timeout."""
+
+    def __init__(self, task: Task, opts: MeasureOptions):
+        self.task, self.opts = task, opts
+        self.proc: subprocess.Popen | None = None
+
+    def _start(self) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "search.runner_process"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
+        self.proc.stdin.write(json.dumps({"task": self.task.to_dict(), "options": asdict(self.opts)}) + "\n")
+        self.proc.stdin.flush()
+        # building inputs and the float64 reference may take a while for big tasks
+        if self._reply(self.opts.run_timeout_s + 300.0) is None:
+            self._stop()
+            raise RuntimeError(f"runner process for {self.task} did not start")
+
+    def _reply(self, timeout_s: float) -> dict | None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line else {"latencies_s": [], "error": "run error: kernel crashed the runner process"}
+
+    def _stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            for f in (self.proc.stdin, self.proc.stdout):
+                f.close()
+        self.proc = None
+
+    def run(self, path: str) -> tuple[list[float], str | None]:
+        if self.proc is None:
+            self._start()
+        try:
+            self.proc.stdin.write(path + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._stop()
+            return [], "run error: runner process died"
+        rep = self._reply(self.opts.run_timeout_s)
+        if rep is None:
+            self._stop()
+            return [], f"run timeout after {self.opts.run_timeout_s:.0f} s"
+        if rep["error"] and "crashed" in rep["error"]:
+            self._stop()
+        return list(rep["latencies_s"]), rep["error"]
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            self._stop()
+
+
+class ProgramMeasurer:
+    """Builder + runner for one task: steps in, tuning records out (errors included)."""
+
+    def __init__(self, task: Task, backend: CBackend | None = None, opts: MeasureOptions | None = None):
+        self.task = task
+        self.backend = backend or CBackend()
+        self.opts = opts or MeasureOptions()
+        self.runner = Runner(task, self.opts)
+        self.target = self.backend.target()
+        self.target_key = self.backend.target_key()
+
+    def measure(self, schedules: list[list[Step]]) -> list[TuningRecord]:
+        t0 = time.perf_counter()
+        sources: list[str | None] = []
+        errors: list[str | None] = []
+        for steps in schedules:
+            try:
+                sources.append(self.backend.source(replay(self.task.dag, steps)))
+                errors.append(None)
+            except (ScheduleError, ValueError, KeyError) as e:
+                sources.append(None)
+                errors.append(f"invalid schedule: {e}")
+        built = self.backend.build([s for s in sources if s is not None], self.opts.build_timeout_s)
+        it = iter(built)
+        records = []
+        for steps, src, err in zip(schedules, sources, errors):
+            lat: list[float] = []
+            extra: dict[str, Any] = {}
+            if src is not None:
+                b = next(it)
+                extra["build_time_s"] = b.build_time_s
+                if b.error:
+                    err = b.error
+                else:
+                    lat, err = self.runner.run(b.path)
+                    try:
+                        os.remove(b.path)
+                        os.remove(b.path[:-3] + ".c")
+                    except OSError:
+                        pass
+            records.append(TuningRecord(
+                workload_key=self.task.workload_key, task=self.task.to_dict(), target_key=self.target_key,
+                target=self.target, schedule=steps, latencies_s=tuple(lat), error=err, timestamp=time.time(),
+                tuning_time_s=0.0, library_version=VERSION, extra=extra))
+        dt = (time.perf_counter() - t0) / max(1, len(schedules))
+        return [TuningRecord(**{**r.__dict__, "tuning_time_s": dt}) for r in records]
+
+    def close(self) -> None:
+        self.runner.close()

@@ -1,0 +1,161 @@
+"""Evolutionary operators on schedules (step lists): Ansor's mutations (tile size, parallel
+granularity, unroll depth, compute location) and per-stage crossover. Every result is
+replayed and lowered; an operator returns None when it cannot produce a valid schedule."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from .compute import ComputeDAG
+from .lower import lower
+from .schedule import ScheduleError, State, Step, apply_step, initial_state, replay
+from .sketch import MAX_INNER_TILE, UNROLL_STEPS, _outer_spatial, compute_location_options, has_data_reuse
+
+STRUCTURE_KINDS = ("split", "follow_split", "reorder", "cache_write", "rfactor", "compute_inline")
+
+
+def _valid(dag: ComputeDAG, steps: list[Step]) -> list[Step] | None:
+    try:
+        lower(replay(dag, steps))
+        return steps
+    except (ScheduleError, ValueError):
+        return None
+
+
+def _state_before(dag: ComputeDAG, steps: list[Step], idx: int) -> State:
+    state = initial_state(dag)
+    for i in range(idx):
+        state = apply_step(state, steps[i], steps[:i])
+    return state
+
+
+def _prime_factors(n: int) -> list[int]:
+    out, d = [], 2
+    while d * d <= n:
+        while n % d == 0:
+            out.append(d)
+            n //= d
+        d += 1
+    return out + ([n] if n > 1 else [])
+
+
+def mutate_tile_size(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> list[Step] | None:
+    """Move a prime factor of one tile length to another level of the same split."""
+    idx = [i for i, s in enumerate(steps) if s["kind"] == "split"]
+    if not idx:
+        return None
+    i = rng.choice(idx)
+    st = _state_before(dag, steps, i).stage(steps[i]["stage"])
+    extent = st.prim(st.loop(steps[i]["iter"]).prims[0]).extent
+    f = list(steps[i]["factors"])
+    inner = 1
+    for x in f:
+        inner *= x
+    lengths = [extent // inner] + f
+    src = [k for k, x in enumerate(lengths) if x > 1]
+    if not src:
+        return None
+    a = rng.choice(src)
+    b = rng.choice([k for k in range(len(lengths)) if k != a])
+    d = rng.choice(_prime_factors(lengths[a]))
+    lengths[a] //= d
+    lengths[b] *= d
+    if lengths[-1] > MAX_INNER_TILE:
+        return None
+    out = list(steps)
+    out[i] = {**steps[i], "factors": lengths[1:]}
+    return _valid(dag, out)
+
+
+def mutate_parallel(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> list[Step] | None:
+    """Fuse one more or one fewer outer loop into a stage's parallel loop."""
+    idx = [i for i, s in enumerate(steps) if s["kind"] == "annotate" and s["ann"] == "parallel"]
+    if not idx:
+        return None
+    i = rng.choice(idx)
+    stage = steps[i]["stage"]
+    j = i - 1 if i > 0 and steps[i - 1]["kind"] == "fuse" and steps[i - 1]["stage"] == stage else i
+    state = _state_before(dag, steps, j)
+    for s in steps[i + 1:]:  # compute locations (kept last) limit which loops may be fused
+        if s["kind"] == "compute_at" and s["target"] == stage:
+            state = state.with_stage(replace(state.stage(s["stage"]), attach=(stage, s["iter"])))
+    outer = _outer_spatial(state.stage(stage), state)
+    n_old = len(steps[i]["iter"].split("@"))
+    choices = [n for n in range(1, len(outer) + 1) if n != n_old]
+    if not choices:
+        return None
+    n = rng.choice(choices)
+    new = ([{"kind": "fuse", "stage": stage, "iters": outer[:n]}] if n > 1 else []) + \
+          [{"kind": "annotate", "stage": stage, "iter": "@".join(outer[:n]), "ann": "parallel"}]
+    return _valid(dag, list(steps[:j]) + new + list(steps[i + 1:]))
+
+
+def mutate_unroll(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> list[Step] | None:
+    idx = [i for i, s in enumerate(steps) if s["kind"] == "pragma"]
+    if not idx:
+        return None
+    i = rng.choice(idx)
+    vals = [v for v in UNROLL_STEPS if v != steps[i]["auto_unroll_max_step"]]
+    out = list(steps)
+    out[i] = {**steps[i], "auto_unroll_max_step": rng.choice(vals)}
+    return _valid(dag, out)
+
+
+def mutate_compute_location(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> list[Step] | None:
+    """Move a reduction without data reuse to the root or to another loop of its consumer."""
+    body = [s for s in steps if s["kind"] != "compute_at"]
+    ats = [s for s in steps if s["kind"] == "compute_at"]
+    state = replay(dag, body)
+    free = [st.name for st in state.stages if st.attach != "inline" and st.name != state.output
+            and not has_data_reuse(st.stage) and not st.name.endswith(".local")]
+    if not free:
+        return None
+    name = rng.choice(free)
+    rest = [a for a in ats if a["stage"] != name]
+    for a in rest:
+        state = apply_step(state, a)
+    loc = rng.choice(compute_location_options(state, name))
+    new = [] if loc is None else [{"kind": "compute_at", "stage": name, "target": loc[0], "iter": loc[1]}]
+    # producers are attached after their consumers so that sibling checks see them
+    return _valid(dag, body + new + rest)
+
+
+MUTATIONS = (mutate_tile_size, mutate_tile_size, mutate_parallel, mutate_unroll, mutate_compute_location)
+
+
+def mutate(dag: ComputeDAG, steps: list[Step], rng: random.Random, tries: int = 8) -> list[Step] | None:
+    """One random mutation (tile sizes are picked twice as often, as they matter most)."""
+    for _ in range(tries):
+        out = rng.choice(MUTATIONS)(dag, steps, rng)
+        if out is not None and out != steps:
+            return out
+    return None
+
+
+def structure(steps: list[Step]) -> tuple:
+    """What a schedule shares with every other schedule of its sketch."""
+    return tuple((s["kind"], s["stage"], s.get("iter")) for s in steps if s["kind"] in STRUCTURE_KINDS)
+
+
+def crossover(dag: ComputeDAG, a: list[Step], b: list[Step], rng: random.Random) -> list[Step] | None:
+    """Child of two schedules of the same sketch: each stage takes its tile sizes, unroll depth
+    and compute location from a randomly chosen parent."""
+    if structure(a) != structure(b):
+        return None
+    stages = sorted({s["stage"] for s in a})
+    from_b = {s for s in stages if rng.random() < 0.5}
+    if not from_b or len(from_b) == len(stages):
+        return None
+    bsteps = {(s["kind"], s["stage"], s.get("iter")): s for s in b if s["kind"] in ("split", "pragma")}
+    child = []
+    for s in a:
+        if s["stage"] in from_b and s["kind"] == "compute_at":
+            continue
+        key = (s["kind"], s["stage"], s.get("iter"))
+        child.append(bsteps.get(key, s) if s["stage"] in from_b else s)
+    child += [s for s in b if s["kind"] == "compute_at" and s["stage"] in from_b]
+    # keep compute_at steps last, consumers' before producers' as annotation emits them
+    order = {s["stage"]: k for k, s in enumerate(x for x in a if x["kind"] == "compute_at")}
+    body = [s for s in child if s["kind"] != "compute_at"]
+    ats = sorted((s for s in child if s["kind"] == "compute_at"), key=lambda s: order.get(s["stage"], -1))
+    return _valid(dag, body + ats)
