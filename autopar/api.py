@@ -100,31 +100,19 @@ class Parallelized:
         entry = self._cache.get(sig)
         if entry is not None:
             return entry
-        t0 = time.perf_counter()
-        abstract_args = jax.tree_util.tree_map(_abstract, args)
-        abstract_kwargs = jax.tree_util.tree_map(_abstract, kwargs)
-        graph = trace_graph(self.fun, *abstract_args, **abstract_kwargs)
         devices = self._devices()
-        cluster = Cluster.from_devices(devices)
-        infos = input_infos(args, kwargs, self.batch_argnums)
-        ties = state_ties(graph, args, self.batch_argnums)
-        out_names = [f"out{jax.tree_util.keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(
-            jax.tree_util.tree_unflatten(graph.out_tree, [0] * len(graph.outvars)))[0]]
         if self.fixed_plan is not None:
             if self.fixed_plan.signature != sig:
                 raise PlanFileError("the saved plan was made for inputs with a different signature:\n"
                                     f"  plan:  {self.fixed_plan.signature[:300]}\n  given: {sig[:300]}\n"
                                     "re-plan (drop plan=...) or pass inputs shaped like the planned ones")
+            graph = _trace(self.fun, args, kwargs)
             splan = _sharding_plan_from(self.fixed_plan, graph)
             plan = self.fixed_plan
         else:
-            budget = self.memory_budget_bytes if self.memory_budget_bytes is not None else math.inf
-            splan, _ = plan_single_stage(graph, cluster, self.method, infos, num_devices=len(devices),
-                                         memory_budget_bytes=budget, tie_outputs=ties)
-            stage = stage_plan(graph, splan, infos, [d.id for d in devices], out_names)
-            plan = Plan(method=getattr(self.method, "name", type(self.method).__name__), signature=sig,
-                        cluster=cluster.to_json(), stages=(stage,), memory_budget_bytes=self.memory_budget_bytes,
-                        remat={"mode": self.remat, "applied": "none"}, planning_time_s=time.perf_counter() - t0)
+            graph, splan, plan = _plan(self.fun, args, kwargs, Cluster.from_devices(devices), self.method,
+                                       memory_budget_bytes=self.memory_budget_bytes, batch_argnums=self.batch_argnums,
+                                       device_ids=[d.id for d in devices], remat=self.remat)
         mesh = build_mesh(devices, splan.mesh_shape)
         flat_donate = _flat_indices(args, self.donate_argnums)
         jitted = sharded_function(graph, splan, mesh, flat_donate)
@@ -147,6 +135,38 @@ class Parallelized:
         out = entry.jitted(*flat)
         self.plan = entry.plan
         return jax.tree_util.tree_unflatten(entry.graph.out_tree, out)
+
+
+def _trace(fun: Callable, args: tuple, kwargs: dict) -> OpGraph:
+    return trace_graph(fun, *jax.tree_util.tree_map(_abstract, args), **jax.tree_util.tree_map(_abstract, kwargs))
+
+
+def _plan(fun, args, kwargs, cluster: Cluster, method, *, memory_budget_bytes, batch_argnums, device_ids, remat="none"):
+    t0 = time.perf_counter()
+    graph = _trace(fun, args, kwargs)
+    infos = input_infos(args, kwargs, batch_argnums)
+    ties = state_ties(graph, args, batch_argnums)
+    out_names = [f"out{jax.tree_util.keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(
+        jax.tree_util.tree_unflatten(graph.out_tree, [0] * len(graph.outvars)))[0]]
+    budget = memory_budget_bytes if memory_budget_bytes is not None else math.inf
+    splan, _ = plan_single_stage(graph, cluster, method, infos, num_devices=len(device_ids),
+                                 memory_budget_bytes=budget, tie_outputs=ties)
+    stage = stage_plan(graph, splan, infos, device_ids, out_names)
+    plan = Plan(method=getattr(method, "name", type(method).__name__), signature=signature_of(args, kwargs),
+                cluster=cluster.to_json(), stages=(stage,), memory_budget_bytes=memory_budget_bytes,
+                remat={"mode": remat, "applied": "none"}, planning_time_s=time.perf_counter() - t0)
+    return graph, splan, plan
+
+
+def make_plan(fun: Callable, *args, cluster: Cluster | str, method="auto", memory_budget=None,
+              batch_argnums=(1,), **kwargs) -> Plan:
+    """Plan `fun(*args)` for a cluster that need not exist here (args may be ShapeDtypeStructs)."""
+    if isinstance(cluster, str):
+        cluster = Cluster.parse(cluster)
+    budget = parse_memory(memory_budget) if memory_budget is not None else None
+    _, _, plan = _plan(fun, args, kwargs, cluster, resolve_method(method), memory_budget_bytes=budget,
+                       batch_argnums=tuple(batch_argnums), device_ids=list(range(cluster.num_devices)))
+    return plan
 
 
 def _flat_indices(args: tuple, argnums: Sequence[int]) -> tuple[int, ...]:

@@ -98,6 +98,16 @@ class _Matrix:
     ub: list[tuple[np.ndarray, np.ndarray, float]]
 
 
+def _compress(e: Edge) -> Edge:
+    """Merge keys whose cost rows (or columns) are identical: exact, and fewer pair variables.
+    A cost that splits as u[src] + v[dst] needs no pair variables at all (handled by the caller
+    as two one-sided edges)."""
+    cost = np.asarray(e.cost_s, dtype=float)
+    rows, rinv = np.unique(cost, axis=0, return_inverse=True)
+    cols, cinv = np.unique(rows, axis=1, return_inverse=True)
+    return Edge(e.src, e.dst, rinv.reshape(-1)[e.src_key], cinv.reshape(-1)[e.dst_key], cols)
+
+
 def _build(problem: AssignmentProblem) -> tuple[_Matrix, list[int]]:
     offsets, n = [], 0
     for c in problem.node_cost_s:
@@ -113,8 +123,8 @@ def _build(problem: AssignmentProblem) -> tuple[_Matrix, list[int]]:
     extra_cost: list[np.ndarray] = []
     node_extra = [np.zeros(len(c)) for c in costs]
     next_var = n
-    for e in problem.edges:
-        cost = np.asarray(e.cost_s, dtype=float)
+    for e in map(_compress, problem.edges):
+        cost = e.cost_s
         if not np.any(cost):
             continue
         ns, nd = cost.shape

@@ -21,6 +21,7 @@ from autopar.graph.op_graph import Op, OpGraph, TensorSpec
 from autopar.resharding import reshard_cost
 from autopar.sharding_spec import Collective, DimSharding, Strategy, all_layouts, replicated, shard_factor
 from autopar.strategies import enumerate_strategies, is_follower
+from autopar.strategies.elementwise import ELEMENTWISE_PRIMITIVES
 
 NUM_MEMORY_CHECKPOINTS = 6
 
@@ -117,6 +118,12 @@ def _strategies(op: Op, graph: OpGraph, mesh: LogicalMesh, time_limit_s: float, 
     return strats
 
 
+def _follows(op: Op, graph: OpGraph) -> bool:
+    """Alpa merges every op that can take its main operand's layout: unary and binary
+    elementwise ops (other operands reshard to it), converts, reshapes and the like."""
+    return is_follower(op, graph) or op.name in ELEMENTWISE_PRIMITIVES
+
+
 def _main_input(op: Op, graph: OpGraph) -> int | None:
     best, pos = -1, None
     for i, v in enumerate(op.inputs):
@@ -145,7 +152,7 @@ def _build_groups(graph: OpGraph, mesh: LogicalMesh, fixed: dict[int, DimShardin
         if not strats:
             raise RuntimeError(f"no sharding strategy for op {op.index} ({op.name}) at {op.source}")
         live_inputs = [(i, v) for i, v in enumerate(op.inputs) if v not in graph.literals]
-        if is_follower(op) and len(op.outputs) == 1 and _try_merge(op, graph, strats, groups, group_of, reshard):
+        if _follows(op, graph) and len(op.outputs) == 1 and _try_merge(op, graph, strats, groups, group_of, reshard):
             continue
         g = _Group([], req_vars=[v for _, v in live_inputs], ops=[op.index])
         for s in strats:
@@ -266,6 +273,32 @@ def _memory_rows(graph: OpGraph, groups: list[_Group], group_of: dict[int, int],
     return peak_rows or [row(args)], [row(args)]
 
 
+@dataclass
+class BuiltProblem:
+    """The ILP of a graph on a mesh, with what is needed to read a solution back."""
+
+    problem: ilp.AssignmentProblem
+    groups: list[_Group]
+    group_of: dict[int, int]
+    edges: list
+    reshard: _ReshardCache
+    arg_rows: list
+
+
+def build_problem(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: float = float("inf"),
+                  fixed_specs: dict[int, DimSharding] | None = None,
+                  allowed_specs: dict[int, list[DimSharding]] | None = None,
+                  tie_outputs: dict[int, int] | None = None, time_limit_s: float = 30.0,
+                  solver: str = "highs") -> BuiltProblem:
+    reshard = _ReshardCache(mesh)
+    groups, group_of = _build_groups(graph, mesh, fixed_specs or {}, allowed_specs or {}, reshard, time_limit_s, solver)
+    edges = _edges(graph, groups, group_of, reshard, tie_outputs or {})
+    peak_rows, arg_rows = _memory_rows(graph, groups, group_of, mesh)
+    problem = ilp.AssignmentProblem([np.array([c.cost_s for c in g.choices]) for g in groups],
+                                    [e for e, *_ in edges], peak_rows, memory_budget_bytes)
+    return BuiltProblem(problem, groups, group_of, edges, reshard, arg_rows)
+
+
 def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: float = float("inf"),
                   fixed_specs: dict[int, DimSharding] | None = None,
                   allowed_specs: dict[int, list[DimSharding]] | None = None,
@@ -279,12 +312,9 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
     """
     t0 = time.perf_counter()
     tie_outputs = tie_outputs or {}
-    reshard = _ReshardCache(mesh)
-    groups, group_of = _build_groups(graph, mesh, fixed_specs or {}, allowed_specs or {}, reshard, time_limit_s, solver)
-    edges = _edges(graph, groups, group_of, reshard, tie_outputs)
-    peak_rows, arg_rows = _memory_rows(graph, groups, group_of, mesh)
-    problem = ilp.AssignmentProblem([np.array([c.cost_s for c in g.choices]) for g in groups],
-                                    [e for e, *_ in edges], peak_rows, memory_budget_bytes)
+    built = build_problem(graph, mesh, memory_budget_bytes=memory_budget_bytes, fixed_specs=fixed_specs,
+                          allowed_specs=allowed_specs, tie_outputs=tie_outputs, time_limit_s=time_limit_s, solver=solver)
+    problem, groups, edges, reshard = built.problem, built.groups, built.edges, built.reshard
     try:
         sol = ilp.solve(problem, time_limit_s=time_limit_s, solver=solver)
     except ilp.InfeasibleError:
@@ -299,9 +329,16 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
         var_specs.update(ch.out)
         op_strats.update(ch.names)
         colls.extend(ch.colls)
+    # XLA computes one reshard of a value per target layout however many ops read it, so the
+    # reported cost counts each (value, target layout) once; the ILP objective may count it
+    # once per consumer, a small overestimate for values with several consumers.
     reshard_s = 0.0
+    seen: set = set()
     for e, v, sl, dl in edges:
         a, b = sl[e.src_key[sol.choice[e.src]]], dl[e.dst_key[sol.choice[e.dst]]]
+        if (v, a, b) in seen:
+            continue
+        seen.add((v, a, b))
         t, cs = reshard(a, b, graph.vars[v])
         reshard_s += t
         colls.extend(cs)
@@ -314,10 +351,10 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
         else:  # a literal output
             out_specs.append(replicated(len(graph.vars[v].shape)) if v in graph.vars else ())
     mem = ilp.memory_of(problem, sol.choice)
-    arg_mem = ilp.memory_of(ilp.AssignmentProblem(problem.node_cost_s, [], arg_rows), sol.choice)
+    arg_mem = ilp.memory_of(ilp.AssignmentProblem(problem.node_cost_s, [], built.arg_rows), sol.choice)
     compute_s = sum(c.cost_s - c.comm_s - c.reshard_s for c in chosen)
     reshard_s += sum(c.reshard_s for c in chosen)
     comm_s = sum(c.comm_s for c in chosen)
-    return ShardingPlan(mesh.shape, var_specs, op_strats, tuple(out_specs), sol.objective_s, compute_s, comm_s,
+    return ShardingPlan(mesh.shape, var_specs, op_strats, tuple(out_specs), compute_s + comm_s + reshard_s, compute_s, comm_s,
                         reshard_s, max(mem) if mem else 0.0, arg_mem[0] if arg_mem else 0.0, tuple(colls),
                         sol.status, time.perf_counter() - t0, len(groups), sol.num_variables)
