@@ -45,9 +45,15 @@ class CBackend:
 
     def __init__(self, compiler: str = "gcc", workdir: str | None = None, n_parallel: int | None = None):
         self.compiler = compiler
-        self.workdir = workdir or tempfile.mkdtemp(prefix="autopar_kernels_")
+        self._workdir = workdir
         self.n_parallel = n_parallel or max(1, os.cpu_count() or 1)
         self._count = 0
+
+    @property
+    def workdir(self) -> str:
+        if self._workdir is None:
+            self._workdir = tempfile.mkdtemp(prefix="autopar_kernels_")
+        return self._workdir
 
     def target(self) -> dict[str, Any]:
         return cpu_target(self.compiler)

@@ -30,6 +30,7 @@ class MeasureOptions:
     max_time_s: float = 1.0           # stop repeating slow kernels after this much
     build_timeout_s: float = 15.0
     run_timeout_s: float = 20.0
+    num_threads: int | None = None    # OpenMP threads of the runner; None = all cores
 
 
 class Runner:
@@ -42,6 +43,8 @@ class Runner:
     def _start(self) -> None:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        if self.opts.num_threads:
+            env["OMP_NUM_THREADS"] = str(self.opts.num_threads)
         self.proc = subprocess.Popen([sys.executable, "-m", "search.runner_process"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
         self.proc.stdin.write(json.dumps({"task": self.task.to_dict(), "options": asdict(self.opts)}) + "\n")

@@ -1,0 +1,107 @@
+"""`autopar tune`: tune one kernel on this machine and store every measurement in the tuning DB.
+
+    autopar tune --task matmul --shape 512,512,512 --trials 256 [--db PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+# task -> (shape fields in --shape order, optional trailing fields)
+SHAPES = {
+    "matmul": (("M", "N", "K"), ()),
+    "dense": (("M", "N", "K"), ()),
+    "batch_matmul": (("B", "M", "N", "K"), ()),
+    "softmax": (("M", "N"), ()),
+    "layernorm": (("M", "N"), ()),
+    "conv2d": (("N", "H", "W", "CI", "CO", "KH", "KW"), ("stride", "pad")),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", required=True, choices=sorted(SHAPES), help="operator to tune")
+    parser.add_argument("--shape", required=True,
+                        help="comma-separated sizes: matmul/dense M,N,K; batch_matmul B,M,N,K; softmax/layernorm "
+                             "M,N; conv2d N,H,W,CI,CO,KH,KW[,stride,pad] (NHWC)")
+    parser.add_argument("--epilogue", choices=["none", "relu", "gelu"], default=None,
+                        help="element-wise epilogue of matmul/dense (dense: bias + this; default relu)")
+    parser.add_argument("--trials", type=int, default=64, help="schedules to measure (default 64)")
+    parser.add_argument("--batch-size", type=int, default=16, help="schedules measured per round")
+    parser.add_argument("--policy", choices=["evolutionary", "random"], default="evolutionary")
+    parser.add_argument("--db", default=None, help="tuning database path (default: AUTOPAR_TUNING_DB or the "
+                                                   "user cache directory)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--show-source", action="store_true", help="print the C source of the best kernel")
+
+
+def parse_task(task: str, shape: str, epilogue: str | None):
+    """A search.Task from the CLI's --task/--shape/--epilogue; ValueError with a usage hint."""
+    from search import Task
+
+    names, optional = SHAPES[task]
+    try:
+        sizes = [int(x) for x in shape.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--shape {shape!r}: sizes must be integers separated by commas") from None
+    if not len(names) <= len(sizes) <= len(names) + len(optional):
+        want = ",".join(names) + ("".join(f"[,{o}]" for o in optional))
+        raise ValueError(f"--shape {shape!r}: {task} takes {want}")
+    params = dict(zip(names + optional, sizes))
+    if task in ("matmul", "dense"):
+        ep = None if epilogue in (None, "none") else epilogue
+        if task == "dense":
+            params["epilogue"] = "relu" if epilogue is None else ep
+        elif ep:
+            params["epilogue"] = ep
+    elif epilogue not in (None, "none"):
+        raise ValueError(f"--epilogue applies to matmul and dense, not {task}")
+    return Task.make(task, **params)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import search
+
+    console = Console(stderr=True)
+    try:
+        task = parse_task(args.task, args.shape, args.epilogue)
+        if args.trials < 1:
+            raise ValueError(f"--trials must be positive, got {args.trials}")
+    except ValueError as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    console.print(f"tuning [bold]{task.workload_key}[/bold] ({task.flops / 1e9:.3f} GFLOP) "
+                  f"with {args.policy} search, {args.trials} trials")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[status]}"), console=console) as bar:
+        tid = bar.add_task("trials", total=args.trials, status="")
+
+        def on_batch(r: "search.TuneResult") -> None:
+            status = (f"best {r.best_latency_s * 1e3:.3f} ms  {r.best_gflops:.1f} GFLOP/s"
+                      if r.best_schedule else "no valid kernel yet")
+            bar.update(tid, completed=r.trials, status=status)
+
+        try:
+            res = search.tune(task, trials=args.trials, db=args.db, policy=args.policy,
+                              batch_size=args.batch_size, seed=args.seed, callback=on_batch)
+        except KeyboardInterrupt:
+            console.print("interrupted: every measured batch is already in the tuning database")
+            return 130
+    n_err = sum(1 for r in res.records if not r.ok)
+    if res.best_schedule is None:
+        console.print(f"[red]no valid kernel in {res.trials} trials[/red] ({n_err} errors); first error: "
+                      f"{res.records[0].error if res.records else 'none'}")
+        return 1
+    print(f"{task.workload_key}: best {res.best_latency_s * 1e3:.4f} ms, {res.best_gflops:.2f} GFLOP/s after "
+          f"{res.trials} trials ({n_err} failed) in {res.tuning_time_s:.1f} s")
+    if args.show_source:
+        print(search.build(task, res.best_schedule).source)
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="autopar tune")
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))

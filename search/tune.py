@@ -1,0 +1,164 @@
+"""`tune`: search kernels for one task and store every measurement; `build`: compile a
+schedule into a callable on numpy arrays."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .backend import CBackend, call_kernel
+from .evolution import EvolutionarySearch, RandomSearch, SearchPolicy
+from .measure import MeasureOptions, ProgramMeasurer
+from .record import TuningRecord
+from .schedule import Step, replay
+from .task import Task
+
+TARGETS = ("cpu",)
+POLICIES = ("evolutionary", "random")
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """Outcome of one tuning run: the best schedule found (None if every trial failed)."""
+
+    task: Task
+    best_schedule: list[Step] | None
+    best_latency_s: float
+    records: list[TuningRecord]
+    tuning_time_s: float
+    history: list[tuple[int, float, float]] = field(default_factory=list)  # (trials, best_s, elapsed_s)
+
+    @property
+    def trials(self) -> int:
+        return len(self.records)
+
+    @property
+    def best_gflops(self) -> float:
+        return self.task.flops / self.best_latency_s / 1e9 if self.best_latency_s < float("inf") else 0.0
+
+    def best_after(self, trials: int) -> float:
+        """Best latency among the first `trials` measurements."""
+        lat = [r.latency_s for r in self.records[:trials]]
+        return min(lat, default=float("inf"))
+
+
+def _check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"target {target!r} is not supported yet; use one of {TARGETS} "
+                         f"(a Pallas GPU backend is planned)")
+
+
+def open_db(db: Any):
+    """A TuningDB from None (default location), a path, or an open TuningDB (returned as is)."""
+    from .database import TuningDB
+
+    if db is None or isinstance(db, (str, os.PathLike)):
+        return TuningDB(db), True
+    return db, False
+
+
+def make_policy(name: str, task: Task, seed: int = 0, **kw) -> SearchPolicy:
+    if name == "evolutionary":
+        return EvolutionarySearch(task, seed=seed, **kw)
+    if name == "random":
+        return RandomSearch(task, seed=seed)
+    raise ValueError(f"unknown search policy {name!r}; use one of {POLICIES}")
+
+
+def tune(task: Task, target: str = "cpu", trials: int = 64, db: Any = None, policy: str = "evolutionary",
+         batch_size: int = 16, seed: int = 0, measure_options: MeasureOptions | None = None,
+         callback: Callable[[TuneResult], None] | None = None, warm_start: bool = True) -> TuneResult:
+    """Measure `trials` schedules chosen by `policy`, adding each record to the tuning DB as
+    soon as its batch is measured (an interrupted run keeps them). With `warm_start`, records
+    of this task already in the DB seed the cost model and the population."""
+    _check_target(target)
+    if not isinstance(task, Task):
+        raise TypeError(f"tune: expected a search.Task, got {type(task).__name__}; build one with "
+                        f"Task.matmul(...) or Task.from_op(...)")
+    if trials < 1 or batch_size < 1:
+        raise ValueError(f"tune: trials ({trials}) and batch_size ({batch_size}) must be positive")
+    database, owned = open_db(db)
+    measurer = ProgramMeasurer(task, opts=measure_options)
+    pol = make_policy(policy, task, seed)
+    t0 = time.perf_counter()
+    records: list[TuningRecord] = []
+    history: list[tuple[int, float, float]] = []
+    best: tuple[float, list[Step] | None] = (float("inf"), None)
+    try:
+        if warm_start:
+            old = [r for r in database.records(task.workload_key, measurer.target_key)]
+            if old:
+                pol.update([r.schedule for r in old], old)
+        while len(records) < trials:
+            batch = pol.next_batch(min(batch_size, trials - len(records)))
+            if not batch:
+                break
+            recs = measurer.measure(batch)
+            database.add_many(recs)
+            pol.update(batch, recs)
+            records += recs
+            for r in recs:
+                if r.latency_s < best[0]:
+                    best = (r.latency_s, r.schedule)
+            history.append((len(records), best[0], time.perf_counter() - t0))
+            if callback is not None:
+                callback(TuneResult(task, best[1], best[0], list(records), time.perf_counter() - t0, list(history)))
+    finally:
+        measurer.close()
+        if owned:
+            database.close()
+    return TuneResult(task, best[1], best[0], records, time.perf_counter() - t0, history)
+
+
+class Kernel:
+    """A compiled schedule: `kernel(*inputs) -> output`, inputs in `task.input_shapes` order."""
+
+    def __init__(self, task: Task, schedule: list[Step], source: str, fn: Callable[..., None], path: str):
+        self.task, self.schedule, self.source, self._fn, self.path = task, schedule, source, fn, path
+
+    def __call__(self, *inputs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        specs = self.task.input_shapes
+        if len(inputs) != len(specs):
+            raise TypeError(f"{self.task}: expected {len(specs)} inputs {[n for n, _ in specs]}, got {len(inputs)}")
+        arrays = []
+        for (name, shape), x in zip(specs, inputs):
+            x = np.asarray(x)
+            if tuple(x.shape) != tuple(shape):
+                raise ValueError(f"{self.task}: input {name!r} has shape {x.shape}, expected {shape}")
+            arrays.append(np.ascontiguousarray(x, dtype=self.task.dtype))
+        if out is None:
+            out = np.empty(self.task.output_shape, dtype=self.task.dtype)
+        elif out.shape != self.task.output_shape or out.dtype != np.dtype(self.task.dtype) \
+                or not out.flags.c_contiguous:
+            raise ValueError(f"{self.task}: out must be a C-contiguous {self.task.dtype} array of shape "
+                             f"{self.task.output_shape}")
+        call_kernel(self._fn, arrays + [out])
+        return out
+
+
+def build(task: Task, schedule: list[Step] | None, target: str = "cpu") -> Kernel:
+    """Compile `schedule` (e.g. `tune(...).best_schedule` or a DB record's) for `target`."""
+    _check_target(target)
+    if schedule is None:
+        raise ValueError(f"build: no schedule for {task} (did every trial fail? see the records' errors)")
+    backend = CBackend()
+    source = backend.source(replay(task.dag, schedule))
+    res = backend.build([source])[0]
+    if res.error:
+        raise RuntimeError(f"build: compiling the kernel for {task} failed: {res.error}")
+    return Kernel(task, schedule, source, backend.load(res.path, len(task.input_shapes) + 1), res.path)
+
+
+def best_schedule(task: Task, db: Any = None, target: str = "cpu") -> list[Step] | None:
+    """The best measured schedule of `task` on this machine in the tuning DB, if any."""
+    _check_target(target)
+    database, owned = open_db(db)
+    try:
+        rec = database.best(task.workload_key, CBackend().target_key())
+    finally:
+        if owned:
+            database.close()
+    return None if rec is None else rec.schedule
