@@ -134,3 +134,28 @@ def test_assign_devices_covers_the_cluster_exactly():
     assert placed > 150
     with pytest.raises(ValueError, match="use 4 devices"):
         assign_devices([(1, 4)], 1, 8)
+
+
+def test_stage_dp_with_intra_stage_options_equals_brute_force():
+    """With several options per stage (logical mesh shapes) the DP equals brute force
+    over every option of every stage."""
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(80):
+        time0, it0, mem0, limit, sizes, N, B = random_instance(rng)
+        nprng = np.random.default_rng(rng.randint(0, 10**6))
+        # option 1 trades per-micro-batch time for per-step time and memory, option 2 random
+        time = np.stack([time0, time0 * 0.7, time0 * nprng.uniform(0.5, 1.5, time0.shape)], -1)
+        it = np.stack([it0, it0 + 0.8, nprng.uniform(0, 0.5, time0.shape)], -1)
+        mem = np.stack([mem0, mem0 * 1.5, nprng.uniform(0, 10, time0.shape)], -1)
+        # brute force: fold the options into extra "submeshes" of the same size
+        L, _, M, S, K = time.shape
+        flat = lambda a: a.transpose(0, 1, 2, 4, 3).reshape(L, L, M * K, S)
+        want = brute_force(flat(time), flat(it), flat(mem), limit,
+                           [sz for sz in sizes for _ in range(K)], N, B)
+        if not np.isfinite(want):
+            continue
+        got = stage_dp(time, sizes, N, B, iteration_s=it, memory_bytes=mem, memory_limit_bytes=limit)
+        assert got.latency_s == pytest.approx(want, rel=1e-9)
+        checked += 1
+    assert checked > 15

@@ -22,7 +22,7 @@ from autopar.pipeline.planner import PipelinePlan, plan_pipeline
 from autopar.pipeline.runtime import PipelineRun, PipelineRuntime, replicated
 from autopar.pipeline.schedule import issue_order, simulate, stage_orders
 from autopar.pipeline.split import eval_eqns, split_loss
-from autopar.pipeline.stage_cost import DeviceModel
+from autopar.pipeline.stage_cost import DeviceModel, device_model_from_cluster
 from autopar.pipeline.update_split import StepSplit, SubProgram, split_step
 
 
@@ -79,15 +79,13 @@ def trace_step(fun: Callable[..., Any], args: Sequence[Any], num_micro_batches: 
 
 
 def default_device_model(devices: Sequence[Any], devices_per_host: int) -> DeviceModel:
-    """Roofline numbers for the given devices when no cluster model is supplied."""
-    try:
-        from autopar.cluster import Cluster  # noqa: F401  (plugged in by the lead)
-    except Exception:
-        pass
-    kind = devices[0].platform
-    if kind == "gpu":
-        return DeviceModel(300e12, 80e9, devices_per_host, 200e9, 25e9, 5e-6)
-    return DeviceModel(50e9, 2e9, devices_per_host, 10e9, 10e9, 1e-5)
+    """Roofline numbers of the given devices, from the cluster presets."""
+    from autopar.cluster import Cluster
+
+    c = Cluster.from_devices(devices)
+    c = Cluster(c.device, len(devices) // devices_per_host, devices_per_host,
+                c.intra_host, c.inter_host)
+    return device_model_from_cluster(c)
 
 
 def _make_mesh(devs: Sequence[Any], shape: tuple[int, int]) -> Mesh:

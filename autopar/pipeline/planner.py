@@ -87,36 +87,31 @@ def in_flight(schedule: str, stages_from_here: int, num_micro_batches: int) -> i
 
 
 def cost_tensors(layers: Sequence[LayerProfile], submeshes: Sequence[tuple[int, int]],
-                 max_stages: int, method: PipeshardParallel, memory_limit_bytes: float,
+                 max_stages: int, method: PipeshardParallel,
                  cost_fn: Callable[[tuple[int, int], tuple[int, int], tuple[int, int]], StageCost],
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """time, iteration time, memory [L, L, M, S] and the chosen logical mesh index per
-    entry: the fastest logical mesh whose memory fits with the stage's in-flight count."""
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """time, once-per-step time and memory [L, L, M, S, K] for the stage DP: layers i..j on
+    submesh m as its k-th logical mesh, with the micro-batches in flight when s stages
+    (this one included) run from layer i on. Missing logical meshes are infinite."""
     L, M, S, B = len(layers), len(submeshes), max_stages, method.num_micro_batches
-    time = np.full((L, L, M, S), np.inf)
-    it = np.zeros((L, L, M, S))
-    mem = np.full((L, L, M, S), np.inf)
-    lm_idx = np.zeros((L, L, M, S), dtype=np.int64)
+    K = max(len(logical_mesh_shapes(sub)) for sub in submeshes)
+    time = np.full((L, L, M, 1, K), np.inf)
+    it = np.zeros((L, L, M, 1, K))
+    weight = np.zeros((L, L, M, 1, K))
+    act = np.zeros((L, L, M, 1, K))
     for i in range(L):
         for j in range(i, L):
             for m, sub in enumerate(submeshes):
-                costs = [cost_fn((i, j + 1), sub, lm) for lm in logical_mesh_shapes(sub)]
-                for s in range(1, S + 1):
-                    k = in_flight(method.schedule, s, B)
-                    best = None
-                    for li, c in enumerate(costs):
-                        if c.memory_bytes(k) > memory_limit_bytes:
-                            continue
-                        key = c.micro_batch_s * B + c.iteration_s
-                        if best is None or key < best[0]:
-                            best = (key, li, c)
-                    if best is not None:
-                        _, li, c = best
-                        time[i, j, m, s - 1] = c.micro_batch_s
-                        it[i, j, m, s - 1] = c.iteration_s
-                        mem[i, j, m, s - 1] = c.memory_bytes(k)
-                        lm_idx[i, j, m, s - 1] = li
-    return time, it, mem, lm_idx
+                for k, lm in enumerate(logical_mesh_shapes(sub)):
+                    c = cost_fn((i, j + 1), sub, lm)
+                    time[i, j, m, 0, k] = c.micro_batch_s
+                    it[i, j, m, 0, k] = c.iteration_s
+                    weight[i, j, m, 0, k] = c.weight_bytes
+                    act[i, j, m, 0, k] = c.activation_bytes
+    flight = np.array([in_flight(method.schedule, s, B) for s in range(1, S + 1)], dtype=np.float64)
+    mem = weight + act * flight[None, None, None, :, None]
+    reps = (1, 1, 1, S, 1)
+    return np.tile(time, reps), np.tile(it, reps), mem
 
 
 def plan_layers(layers: Sequence[LayerProfile], method: PipeshardParallel, num_hosts: int,
@@ -143,7 +138,7 @@ def plan_layers(layers: Sequence[LayerProfile], method: PipeshardParallel, num_h
         if S > L:
             raise ValueError(f"{S} submeshes given but the loss has only {L} layers; "
                              "add mark_stage_boundary() markers or raise `layers`")
-        time, it, mem, lmi = cost_tensors(layers, fixed, S, method, device.memory_bytes, cached)
+        time, it, mem = cost_tensors(layers, fixed, S, method, cached)
         for s in range(1, S + 1):       # s stages from here: this is stage S - s
             mask = np.ones(S, bool)
             mask[S - s] = False
@@ -155,17 +150,15 @@ def plan_layers(layers: Sequence[LayerProfile], method: PipeshardParallel, num_h
         if S > L:
             raise ValueError(f"num_stages={S} but the loss has only {L} layers; add "
                              "mark_stage_boundary() markers or raise `layers`")
-        time, it, mem, lmi = cost_tensors(layers, shapes, S, method, device.memory_bytes, cached)
+        time, it, mem = cost_tensors(layers, shapes, S, method, cached)
         num_stages = method.num_stages
     res = stage_dp(time, [n * m for n, m in shapes], N, method.num_micro_batches,
                    iteration_s=it, memory_bytes=mem, memory_limit_bytes=device.memory_bytes,
                    num_stages=num_stages, imbalance_tolerance=method.imbalance_tolerance)
     ranges, subs, lms, costs = [], [], [], []
-    S_sol = len(res.stages)
-    for idx, st in enumerate(res.stages):
-        s = S_sol - idx
+    for st in res.stages:
         sub = shapes[st.submesh]
-        lm = logical_mesh_shapes(sub)[lmi[st.start, st.end - 1, st.submesh, s - 1]]
+        lm = logical_mesh_shapes(sub)[st.option]
         ranges.append((st.start, st.end))
         subs.append(sub)
         lms.append(lm)

@@ -51,15 +51,11 @@ class DeviceModel:
 
 def device_model_from_cluster(cluster: Any, dtype: str = "float32",
                               state_bytes_per_param_byte: float = 4.0) -> DeviceModel:
-    """Read a `autopar.cluster.Cluster` into the plain numbers the roofline uses."""
-    mesh = cluster.logical_mesh((1, 1))
-    peak = 1e12 / mesh.compute_s(1e12, dtype)
-    dph = getattr(cluster, "devices_per_host", None)
-    if dph is None:
-        dph = max(n * m for n, m in cluster.submesh_shapes() if n == 1)
-    return DeviceModel(peak, cluster.device.memory_bytes, dph,
-                       cluster.intra_host.bandwidth_Bps, cluster.inter_host.bandwidth_Bps,
-                       cluster.intra_host.latency_s, state_bytes_per_param_byte)
+    """Read an `autopar.cluster.Cluster` into the plain numbers the roofline uses."""
+    return DeviceModel(cluster.device.peak_flops_for(dtype), float(cluster.device.memory_bytes),
+                       cluster.devices_per_host, cluster.intra_host.bandwidth_Bps,
+                       cluster.inter_host.bandwidth_Bps, cluster.intra_host.latency_s,
+                       state_bytes_per_param_byte)
 
 
 def all_reduce_s(nbytes: float, n: int, bandwidth_Bps: float, latency_s: float) -> float:
