@@ -155,7 +155,7 @@ class Task:
             raise ValueError(f"{self.op}: dtype {self.dtype!r} is not supported yet; use one of {SUPPORTED_DTYPES}")
         p = dict(self.params)
         for k, v in p.items():
-            if isinstance(v, int) and v <= 0:
+            if isinstance(v, int) and (v < 0 if k == "pad" else v <= 0):
                 raise ValueError(f"{self.op}: size {k}={v} must be positive")
         try:
             dag = _OPS[self.op][0](**p)
