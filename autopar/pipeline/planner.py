@@ -81,6 +81,14 @@ def layer_profiles(jaxpr: Any, cuts: Sequence[int], diff_mask: Sequence[bool]) -
     return out
 
 
+def micro_batch_size(jaxpr: Any, diff_mask: Sequence[bool]) -> int | None:
+    """Leading dimension of the loss's first batched (non-parameter) input."""
+    for v, d in zip(jaxpr.invars, diff_mask):
+        if not d and len(v.aval.shape) > 0:
+            return int(v.aval.shape[0])
+    return None
+
+
 def in_flight(schedule: str, stages_from_here: int, num_micro_batches: int) -> int:
     """Micro-batches whose activations a stage keeps: 1F1B min(s, B), GPipe B."""
     return min(stages_from_here, num_micro_batches) if schedule == "1f1b" else num_micro_batches
@@ -117,13 +125,13 @@ def cost_tensors(layers: Sequence[LayerProfile], submeshes: Sequence[tuple[int, 
 def plan_layers(layers: Sequence[LayerProfile], method: PipeshardParallel, num_hosts: int,
                 devices_per_host: int, device: DeviceModel,
                 cost_fn: Callable[[tuple[int, int], tuple[int, int], tuple[int, int]], StageCost] | None = None,
-                ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]], list[StageCost], float]:
+                micro_batch_size: int | None = None) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]], list[StageCost], float]:
     """Stage DP over given layers: (stage layer ranges, submeshes, logical meshes,
     stage costs, predicted latency)."""
     L = len(layers)
     N = num_hosts * devices_per_host
     if cost_fn is None:
-        cost_fn = lambda r, sub, lm: roofline_stage_cost(layers, r, sub, lm, device)
+        cost_fn = lambda r, sub, lm: roofline_stage_cost(layers, r, sub, lm, device, micro_batch_size)
     cache: dict = {}
 
     def cached(r, sub, lm):
@@ -196,7 +204,7 @@ def plan_pipeline(jaxpr: Any, diff_mask: Sequence[bool], method: PipeshardParall
         if stage_cost_fn is not None:
             cost_fn = lambda r, sub, lm, _c=cuts: stage_cost_fn((_c[r[0]], _c[r[1]]), sub, lm)
         try:
-            out = plan_layers(profiles, method, hosts, dph, device, cost_fn)
+            out = plan_layers(profiles, method, hosts, dph, device, cost_fn, micro_batch_size(jaxpr, diff_mask))
         except ValueError:
             if len(candidates) == 1:
                 raise

@@ -34,6 +34,8 @@ class LayerProfile:
     param_bytes: float
     activation_bytes: float
     boundary_bytes: float
+    model_parallel_bytes: float | None = None   # all-reduced over the model axis per
+    # micro-batch, forward + backward; None: 4 x boundary_bytes (Megatron: 2 + 2 per layer)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class DeviceModel:
     inter_host_Bps: float
     latency_s: float = 5e-6
     state_bytes_per_param_byte: float = 4.0   # params + grads + 2 Adam moments
+    memory_bandwidth_Bps: float = float("inf")  # HBM/DRAM; streams kept activations
 
 
 def device_model_from_cluster(cluster: Any, dtype: str = "float32",
@@ -55,7 +58,7 @@ def device_model_from_cluster(cluster: Any, dtype: str = "float32",
     return DeviceModel(cluster.device.peak_flops_for(dtype), float(cluster.device.memory_bytes),
                        cluster.devices_per_host, cluster.intra_host.bandwidth_Bps,
                        cluster.inter_host.bandwidth_Bps, cluster.intra_host.latency_s,
-                       state_bytes_per_param_byte)
+                       state_bytes_per_param_byte, cluster.device.memory_bandwidth_Bps)
 
 
 def all_reduce_s(nbytes: float, n: int, bandwidth_Bps: float, latency_s: float) -> float:
@@ -67,14 +70,19 @@ def all_reduce_s(nbytes: float, n: int, bandwidth_Bps: float, latency_s: float) 
 
 def roofline_stage_cost(layers: Sequence[LayerProfile], layer_range: tuple[int, int],
                         submesh: tuple[int, int], logical_mesh: tuple[int, int],
-                        device: DeviceModel) -> StageCost:
+                        device: DeviceModel, micro_batch_size: int | None = None) -> StageCost:
     """Layers [start, end) on `submesh` viewed as (data, model) = `logical_mesh`.
 
-    Compute: 3x forward FLOPs over all devices. Model axis: 4 all-reduces of each layer's
-    boundary activation per micro-batch (2 forward, 2 backward; Megatron). Data axis:
-    one all-reduce of the stage's gradients per step.
+    Compute: 3x forward FLOPs over all devices, plus streaming the kept activations
+    through device memory 3 times (written forward, read and their gradients written
+    backward). Model axis: 4 all-reduces of each layer's boundary activation per
+    micro-batch (2 forward, 2 backward; Megatron). Data axis: one all-reduce of the
+    stage's gradients per step. A data axis that does not divide `micro_batch_size`
+    (when given) is impossible: infinite time.
     """
     dp, tp = logical_mesh
+    if micro_batch_size is not None and micro_batch_size % dp:
+        return StageCost(float("inf"))
     n_hosts, per_host = submesh
     sel = layers[layer_range[0]:layer_range[1]]
     flops = 3.0 * sum(l.flops for l in sel)
@@ -82,8 +90,10 @@ def roofline_stage_cost(layers: Sequence[LayerProfile], layer_range: tuple[int, 
     acts = sum(l.activation_bytes for l in sel)
     tp_bw = device.intra_host_Bps if tp <= per_host else device.inter_host_Bps
     dp_bw = device.inter_host_Bps if n_hosts > 1 else device.intra_host_Bps
-    compute = flops / (dp * tp * device.peak_flops)
-    tp_comm = sum(4 * all_reduce_s(l.boundary_bytes / dp, tp, tp_bw, device.latency_s) for l in sel)
+    compute = flops / (dp * tp * device.peak_flops) + 3 * acts / (dp * tp) / device.memory_bandwidth_Bps
+    tp_comm = sum(all_reduce_s((4 * l.boundary_bytes if l.model_parallel_bytes is None
+                                else l.model_parallel_bytes) / dp, tp, tp_bw, device.latency_s)
+                  for l in sel)
     dp_comm = all_reduce_s(params / tp, dp, dp_bw, device.latency_s)
     return StageCost(micro_batch_s=compute + tp_comm, iteration_s=dp_comm,
                      weight_bytes=params / tp * device.state_bytes_per_param_byte,
