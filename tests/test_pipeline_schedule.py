@@ -1,0 +1,85 @@
+"""Pipeline schedules: task orders, in-flight counts, timing, and the Gantt chart."""
+import random
+
+import pytest
+
+from autopar.pipeline.gantt import draw, timeline_bars
+from autopar.pipeline.schedule import (issue_order, peak_in_flight, pipeline_latency_s, simulate,
+                                       stage_orders)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_orders_run_every_pass_once_forward_first(schedule):
+    for S in range(1, 6):
+        for B in range(1, 7):
+            orders = stage_orders(schedule, S, B)
+            for s, order in enumerate(orders):
+                assert sorted((t.kind, t.micro_batch) for t in order) == sorted(
+                    [("F", m) for m in range(B)] + [("B", m) for m in range(B)])
+                pos = {(t.kind, t.micro_batch): i for i, t in enumerate(order)}
+                assert all(pos[("F", m)] < pos[("B", m)] for m in range(B))
+                want = min(S - s, B) if schedule == "1f1b" else B
+                assert peak_in_flight(order) == want
+
+
+def test_simulation_respects_dependencies_and_matches_closed_form():
+    rng = random.Random(0)
+    for _ in range(50):
+        S, B = rng.randint(1, 5), rng.randint(1, 8)
+        schedule = rng.choice(["1f1b", "gpipe"])
+        f = [rng.uniform(0.5, 2) for _ in range(S)]
+        b = [rng.uniform(1, 4) for _ in range(S)]
+        timed = simulate(stage_orders(schedule, S, B), f, b)
+        end = {(t.task.stage, t.task.kind, t.task.micro_batch): t.end_s for t in timed}
+        for t in timed:
+            s, m = t.task.stage, t.task.micro_batch
+            if t.task.kind == "F" and s > 0:
+                assert t.start_s >= end[(s - 1, "F", m)] - 1e-12
+            if t.task.kind == "B":
+                assert t.start_s >= end[(s, "F", m)] - 1e-12
+                if s < S - 1:
+                    assert t.start_s >= end[(s + 1, "B", m)] - 1e-12
+        for s in range(S):     # a stage never runs two tasks at once
+            spans = sorted((t.start_s, t.end_s) for t in timed if t.task.stage == s)
+            assert all(a[1] <= b2[0] + 1e-12 for a, b2 in zip(spans, spans[1:]))
+    # equal stages: makespan = (S + B - 1) (f + b) = Alpa's sum + (B - 1) max
+    for schedule in ("1f1b", "gpipe"):
+        timed = simulate(stage_orders(schedule, 4, 6), [1.0] * 4, [2.0] * 4)
+        assert max(t.end_s for t in timed) == pytest.approx(pipeline_latency_s([3.0] * 4, 6)) == 27.0
+
+
+def test_issue_order_is_a_valid_sequential_order():
+    for schedule in ("1f1b", "gpipe"):
+        order = issue_order(stage_orders(schedule, 4, 5))
+        done = set()
+        for t in order:
+            s, m = t.stage, t.micro_batch
+            if t.kind == "F" and s > 0:
+                assert (s - 1, "F", m) in done
+            if t.kind == "B":
+                assert (s, "F", m) in done and (s == 3 or (s + 1, "B", m) in done)
+            done.add((s, t.kind, m))
+        # per stage, the issue order keeps the schedule's own order
+        for s, own in enumerate(stage_orders(schedule, 4, 5)):
+            assert [t for t in order if t.stage == s] == own
+
+
+def test_gantt_draws_one_bar_per_task(tmp_path):
+    from autopar.pipeline.api import plan_to_dict
+    from autopar.pipeline.planner import PipelinePlan
+    from autopar.pipeline.stage_cost import StageCost
+
+    plan = PipelinePlan(layer_cuts=(0, 5, 9, 12), stage_layers=((0, 1), (1, 3)),
+                        submeshes=((1, 4), (1, 4)), logical_meshes=((4, 1), (2, 2)),
+                        device_ids=((0, 1, 2, 3), (4, 5, 6, 7)),
+                        stage_costs=(StageCost(3.0), StageCost(6.0)), layer_profiles=(),
+                        num_micro_batches=3, schedule="1f1b", predicted_latency_s=6 + 3 + 2 * 6)
+    d = plan_to_dict(plan)
+    assert [s["equations"] for s in d["stages"]] == [[0, 5], [5, 12]]
+    path = tmp_path / "gantt.png"
+    bars = draw(d, str(path))
+    assert len(bars) == len(timeline_bars(d)) == 2 * 2 * 3
+    assert max(b.start_s + b.duration_s for b in bars) == pytest.approx(d["predicted_latency_s"])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="timeline"):
+        timeline_bars({"stages": []})
