@@ -236,7 +236,7 @@ def plan_to_dict(p: PipelinePlan, updates_split: bool = True,
                 min(S - s, p.num_micro_batches) if p.schedule == "1f1b" else p.num_micro_batches),
         })
     return {
-        "kind": "pipeshard", "schedule": p.schedule, "num_micro_batches": p.num_micro_batches,
+        "kind": "pipeshard", "predicted_step_s": p.predicted_latency_s, "schedule": p.schedule, "num_micro_batches": p.num_micro_batches,
         "num_stages": S, "num_layers": len(p.layer_cuts) - 1, "layer_cuts": list(p.layer_cuts),
         "stages": stages, "predicted_latency_s": p.predicted_latency_s,
         "planning_s": p.planning_s, "update_split_per_stage": updates_split,
@@ -245,26 +245,59 @@ def plan_to_dict(p: PipelinePlan, updates_split: bool = True,
     }
 
 
+def _hosts(num_devices: int, method: PipeshardParallel, default_dph: int) -> tuple[int, int]:
+    dph = method.devices_per_host or default_dph
+    if num_devices % dph:
+        raise ValueError(f"{num_devices} devices do not form whole hosts of "
+                         f"devices_per_host={dph}; pass PipeshardParallel(devices_per_host=...)")
+    return num_devices // dph, dph
+
+
+def _check_method(method: Any) -> None:
+    if not isinstance(method, PipeshardParallel):
+        raise TypeError(f"method must be a PipeshardParallel, got {type(method).__name__}")
+
+
+def plan_pipeshard(fun: Callable[..., Any], args: Sequence[Any], method: PipeshardParallel,
+                   cluster: Any, stage_cost_fn: Callable | None = None) -> PipelinePlan:
+    """Plan without running, for a cluster that need not exist here (`args` may be
+    `jax.ShapeDtypeStruct`s). Serialise with `plan_to_dict`."""
+    _check_method(method)
+    if method.profile:
+        raise ValueError("profile=True measures stages on this machine's devices; it cannot "
+                         "plan for a cluster model")
+    traced = trace_step(fun, args, method.num_micro_batches)
+    hosts, dph = _hosts(cluster.num_devices, method, cluster.devices_per_host)
+    return plan_pipeline(traced.loss_jaxpr.jaxpr, traced.call.diff_leaf_mask, method, hosts, dph,
+                         device_model_from_cluster(cluster), stage_cost_fn)
+
+
 def build_pipeshard(fun: Callable[..., Any], args: Sequence[Any], method: PipeshardParallel,
                     devices: Sequence[Any] | None = None, stage_cost_fn: Callable | None = None,
                     device_model: DeviceModel | None = None,
-                    compiler_options: dict | None = None) -> PipeshardExecutable:
+                    compiler_options: dict | None = None, tuning_db: Any = None) -> PipeshardExecutable:
     """Trace, plan and build a pipeline for `fun(*args)`.
 
     stage_cost_fn(layer_range, submesh_shape, logical_mesh_shape) -> StageCost or
     (time_s, memory_bytes), with layer_range = (first, end) equation indices of the
-    micro-batch loss jaxpr (`trace_step(...).loss_jaxpr`); default: roofline estimate.
+    micro-batch loss jaxpr (`trace_step(...).loss_jaxpr`); default: roofline estimate,
+    or with `method.profile` measurements on `devices` cached in `tuning_db`.
     compiler_options are passed to XLA for every stage program.
     """
-    if not isinstance(method, PipeshardParallel):
-        raise TypeError(f"method must be a PipeshardParallel, got {type(method).__name__}")
-    if method.profile:
-        raise NotImplementedError("PipeshardParallel(profile=True) is not implemented yet; "
-                                  "use the cost model (profile=False)")
+    _check_method(method)
     devices = list(jax.devices() if devices is None else devices)
     traced = trace_step(fun, args, method.num_micro_batches)
-    dph = method.devices_per_host or len(devices)
+    per_process = sum(d.process_index == devices[0].process_index for d in devices)
+    hosts, dph = _hosts(len(devices), method, per_process)
     device = device_model or default_device_model(devices, dph)
-    plan = plan_pipeline(traced.loss_jaxpr.jaxpr, traced.call.diff_leaf_mask, method,
-                         len(devices), device, stage_cost_fn)
+    if method.profile:
+        if stage_cost_fn is not None:
+            raise ValueError("pass either stage_cost_fn or PipeshardParallel(profile=True), not both")
+        from autopar.pipeline.profile import StageProfiler
+
+        stage_cost_fn = StageProfiler(traced.loss_jaxpr, traced.call.diff_leaf_mask, devices,
+                                      device.state_bytes_per_param_byte, tuning_db,
+                                      compiler_options)
+    plan = plan_pipeline(traced.loss_jaxpr.jaxpr, traced.call.diff_leaf_mask, method, hosts, dph,
+                         device, stage_cost_fn)
     return PipeshardExecutable(traced, method, devices, plan, compiler_options)

@@ -175,16 +175,13 @@ def plan_layers(layers: Sequence[LayerProfile], method: PipeshardParallel, num_h
 
 
 def plan_pipeline(jaxpr: Any, diff_mask: Sequence[bool], method: PipeshardParallel,
-                  num_devices: int, device: DeviceModel,
+                  hosts: int, dph: int, device: DeviceModel,
                   stage_cost_fn: Callable | None = None) -> PipelinePlan:
-    """Layers (markers, or clustering searched over L), then the stage DP."""
+    """Layers (markers, or clustering searched over L), then the stage DP, for `hosts`
+    hosts of `dph` devices. stage_cost_fn(equation range, submesh, logical mesh)."""
     import time as _time
 
     t0 = _time.perf_counter()
-    dph = method.devices_per_host or num_devices
-    if num_devices % dph:
-        raise ValueError(f"{num_devices} devices do not form whole hosts of {dph}")
-    hosts = num_devices // dph
     n = len(jaxpr.eqns)
     marks = marker_cuts(jaxpr) if method.layers == "auto" else None
     if marks is not None:
