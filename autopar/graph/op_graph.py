@@ -90,3 +90,22 @@ class OpGraph:
     @property
     def total_flops(self) -> float:
         return float(sum(op.flops for op in self.ops))
+
+    def flops_by_name(self) -> dict[str, float]:
+        """Total FLOPs per primitive name, looking inside scan bodies (times their trip count)."""
+        out: dict[str, float] = {}
+        for op in self.ops:
+            if op.body is not None:
+                for name, flops in op.body.flops_by_name().items():
+                    out[name] = out.get(name, 0.0) + flops * op.trip_count
+            else:
+                out[op.name] = out.get(op.name, 0.0) + op.flops
+        return out
+
+    def op_names(self) -> set[str]:
+        """Names of all primitives in the graph, scan bodies included."""
+        names = {op.name for op in self.ops}
+        for op in self.ops:
+            if op.body is not None:
+                names |= op.body.op_names()
+        return names

@@ -39,7 +39,7 @@ def trace_graph(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> OpGraph:
     """
     flat_args, in_tree = jax.tree_util.tree_flatten((args, kwargs))
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
-        if not (isinstance(leaf, jax.ShapeDtypeStruct) or hasattr(leaf, "shape") or np.isscalar(leaf)):
+        if not (hasattr(leaf, "shape") or isinstance(leaf, (bool, int, float, complex))):
             raise TypeError(
                 f"trace_graph: argument leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, "
                 "not an array; bind non-array arguments with functools.partial before tracing."
