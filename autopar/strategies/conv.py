@@ -1,7 +1,9 @@
 """conv_general_dilated: split the batch, the output features, or the input features
 (partial sums: all-reduce or reduce-scatter), with dims read from the dimension numbers,
 so NHWC/NCHW and the transposed convolutions of the backward pass all work. Grouped
-(depthwise) convolutions split whole groups: input and output features together. Spatial
+(depthwise) convolutions split whole groups: input and output features together; the
+weight gradient of a grouped convolution (batch_group_count > 1) splits whole batch
+groups together with the output features. Spatial
 dims are never split (that would need halo exchange)."""
 from __future__ import annotations
 
@@ -30,9 +32,13 @@ def conv_strategies(op: Op, ins: tuple[TensorSpec | None, ...], outs: tuple[Tens
     roles: list[Role] = []
     if batch_groups == 1:
         roles.append(Role(((LHS, ln), (OUT, on))))
+    else:  # grouped weight gradient: lhs batch groups pair with output features
+        roles.append(Role(((LHS, ln), (RHS, ro), (OUT, oc)), group_size=batch_groups))
     if groups == 1 and batch_groups == 1:
         roles.append(Role(((RHS, ro), (OUT, oc))))
+    if groups == 1 and batch_groups == 1:
+        # (not with batch groups: XLA 0.10's SPMD partitioner double-counts that case)
         roles.append(Role(((LHS, lc), (RHS, ri)), partial=True))
-    elif batch_groups == 1:
+    elif groups > 1:
         roles.append(Role(((LHS, lc), (RHS, ro), (OUT, oc)), group_size=groups))
     return role_strategies(mesh, ins, outs, roles, flops, dtype=lhs.dtype)

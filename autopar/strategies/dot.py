@@ -3,7 +3,8 @@
 Each live mesh axis takes one role: split a batch dim (both operands and the result), a
 free dim of the lhs (M) or rhs (N), or a contracting dim (K). A K split leaves partial
 sums: either all-reduced over that axis (result replicated there) or reduce-scattered so
-the result ends up split over that axis along one of its dims. Two axes on one dim give
+the result ends up split over that axis along one of its dims. Partial sums of different
+contracting dims are combined one dim at a time, as XLA does. Two axes on one dim give
 S01.
 """
 from __future__ import annotations
@@ -12,9 +13,9 @@ import itertools
 from typing import Any
 
 from autopar.graph.op_graph import Op, TensorSpec
-from autopar.sharding_spec import Collective, Strategy, is_valid
-from autopar.strategies.layouts import (dedupe, live_axes, local_bytes, make_strategy,
-                                        mesh_shape_of)
+from autopar.sharding_spec import Strategy, is_valid
+from autopar.strategies.layouts import dedupe, live_axes, make_strategy, mesh_shape_of
+from autopar.strategies.roles import partial_sum_collectives
 
 
 def dot_general_strategies(op: Op, ins: tuple[TensorSpec | None, ...], outs: tuple[TensorSpec, ...],
@@ -44,6 +45,7 @@ def dot_general_strategies(op: Op, ins: tuple[TensorSpec | None, ...], outs: tup
         rs = [() for _ in range(rhs.ndim)]
         os_ = [() for _ in range(out.ndim)]
         k_axes: list[int] = []
+        k_role: dict[int, int] = {}
         for a, role in zip(axes, choice):
             if role is None:
                 continue
@@ -56,6 +58,7 @@ def dot_general_strategies(op: Op, ins: tuple[TensorSpec | None, ...], outs: tup
                 os_[do] += (a,)
             else:
                 k_axes.append(a)
+                k_role[a] = dl
         lspec, rspec = tuple(ls), tuple(rs)
         if not (is_valid(lhs.shape, lspec, ms) and is_valid(rhs.shape, rspec, ms)):
             continue
@@ -68,14 +71,10 @@ def dot_general_strategies(op: Op, ins: tuple[TensorSpec | None, ...], outs: tup
             ospec_t = tuple(ospec)
             if any(list(x) != sorted(x) for x in ospec_t) or not is_valid(out.shape, ospec_t, ms):
                 continue
-            rs_axes = tuple(a for a, d in zip(k_axes, targets) if d is not None)
-            ar_axes = tuple(a for a, d in zip(k_axes, targets) if d is None)
-            colls = []
-            if rs_axes:
-                pre = tuple(tuple(a for a in x if a not in rs_axes) for x in ospec_t)
-                colls.append(Collective("reduce-scatter", local_bytes(out, pre, ms), rs_axes))
-            if ar_axes:
-                colls.append(Collective("all-reduce", local_bytes(out, ospec_t, ms), ar_axes))
+            groups: dict[int, tuple[list[int], list[int]]] = {}
+            for a, d in zip(k_axes, targets):
+                groups.setdefault(k_role[a], ([], []))[0 if d is not None else 1].append(a)
+            colls = partial_sum_collectives([out], [ospec_t], list(groups.values()), ms)
             result.append(make_strategy(mesh, ins, outs, (lspec, rspec), (ospec_t,), flops, colls,
                                         dtype=lhs.dtype))
     return dedupe(result)

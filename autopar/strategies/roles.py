@@ -74,17 +74,34 @@ def role_strategies(mesh: Any, ins: Sequence[TensorSpec | None], outs: Sequence[
                 continue
             if not all(is_valid(o.shape, s, ms) for o, s in zip(outs, out_t)):
                 continue
-            rs_axes = tuple(a for a, t in zip(partial_axes, targets) if t is not None)
-            ar_axes = tuple(a for a, t in zip(partial_axes, targets) if t is None)
-            colls = []
-            if rs_axes:
-                pre = sum(local_bytes(o, tuple(tuple(a for a in x if a not in rs_axes) for x in s), ms)
-                          for o, s in zip(outs, out_t))
-                colls.append(Collective("reduce-scatter", pre, rs_axes))
-            if ar_axes:
-                colls.append(Collective("all-reduce", sum(local_bytes(o, s, ms) for o, s in zip(outs, out_t)),
-                                        ar_axes))
+            groups: dict[int, tuple[list[int], list[int]]] = {}
+            for a, t in zip(partial_axes, targets):
+                groups.setdefault(choice[axes.index(a)], ([], []))[0 if t is not None else 1].append(a)
+            colls = partial_sum_collectives(outs, out_t, list(groups.values()), ms)
             in_specs = base[:n_in]
             result.append(make_strategy(mesh, ins, outs, in_specs, out_t, flops, colls, dtype=dtype,
                                         split_flops=split_flops))
     return dedupe(result)
+
+
+def partial_sum_collectives(outs: Sequence[TensorSpec], out_specs: Sequence[tuple],
+                            groups: Sequence[tuple[Sequence[int], Sequence[int]]], ms) -> list[Collective]:
+    """Collectives combining partial sums, one group per split reduction dim (XLA reduces
+    each split dim on its own): a reduce-scatter over the group's scattered axes, then an
+    all-reduce over its other axes. Buffers shrink as earlier groups scatter."""
+    all_rs = {a for rs, _ in groups for a in rs}
+    applied: set[int] = set()
+    colls: list[Collective] = []
+
+    def nbytes() -> float:
+        pending = all_rs - applied
+        return sum(local_bytes(o, tuple(tuple(a for a in x if a not in pending) for x in s), ms)
+                   for o, s in zip(outs, out_specs))
+
+    for rs, ar in groups:
+        if rs:
+            colls.append(Collective("reduce-scatter", nbytes(), tuple(sorted(rs))))
+            applied.update(rs)
+        if ar:
+            colls.append(Collective("all-reduce", nbytes(), tuple(sorted(ar))))
+    return colls
