@@ -15,10 +15,9 @@ from typing import Protocol, Sequence
 from cost_model import XGBoostCostModel
 
 from .features import statement_features
-from .lower import lower
-from .mutation import crossover, mutate
+from .mutation import checked_program, crossover, mutate
 from .record import TuningRecord
-from .schedule import Step, replay
+from .schedule import Step
 from .sketch import generate_sketches, sample_schedules
 from .task import Task
 
@@ -61,7 +60,7 @@ class EvolutionarySearch:
     """Ansor's evolutionary search guided by a learned cost model."""
 
     def __init__(self, task: Task, cost_model: XGBoostCostModel | None = None, seed: int = 0,
-                 population: int = 64, generations: int = 3, eps_greedy: float = 0.1,
+                 population: int = 48, generations: int = 3, eps_greedy: float = 0.1,
                  mutation_prob: float = 0.85, elite: int = 8):
         self.task = task
         self.model = cost_model if cost_model is not None else XGBoostCostModel(seed=seed)
@@ -77,7 +76,10 @@ class EvolutionarySearch:
     def features(self, steps: list[Step]) -> list[dict[str, float]]:
         k = schedule_key(steps)
         if k not in self._features:
-            self._features[k] = statement_features(lower(replay(self.task.dag, steps)))
+            prog = checked_program(self.task.dag, steps)
+            if prog is None:
+                raise ValueError("invalid schedule")
+            self._features[k] = statement_features(prog)
         return self._features[k]
 
     def scores(self, pop: list[list[Step]]) -> list[float]:

@@ -5,20 +5,24 @@ from .expr import Expr, Load, Var, op_counts, rebuild, variables
 from .lower import Alloc, For, Program, Store, _linear
 
 
-def _touched(index: Expr, loops: list[For]) -> tuple[int, int]:
-    """(distinct elements touched by the loops, stride of the innermost loop) for one access."""
+def _access(index: Expr, loops: list[For]) -> tuple[list[bool], int]:
+    """Which enclosing loops an access depends on, and its stride along the innermost loop."""
     used = variables(index)
-    n = 1
-    for lp in loops:
-        if lp.var in used:
-            n *= lp.extent
+    uses = [lp.var in used for lp in loops]
     stride = 0
-    if loops:
+    if loops and uses[-1]:
         coeffs, _ = _linear(index)
-        stride = abs(coeffs.get(Var(loops[-1].var), 0))
-        if not stride and loops[-1].var in used:
-            stride = 1  # used through a fused (div/mod) index
-    return n, stride
+        stride = abs(coeffs.get(Var(loops[-1].var), 0)) or 1  # 1 when used through a fused div/mod
+    return uses, stride
+
+
+def _touched(uses: list[bool], loops: list[For], first: int = 0) -> int:
+    """Distinct elements touched by loops[first:] (product of the extents the access depends on)."""
+    n = 1
+    for u, lp in zip(uses[first:], loops[first:]):
+        if u:
+            n *= lp.extent
+    return n
 
 
 def _statement(st: Store, loops: list[For], local_bytes: int) -> dict[str, float]:
@@ -47,12 +51,13 @@ def _statement(st: Store, loops: list[For], local_bytes: int) -> dict[str, float
     total, reuse, strides = 0, [], []
     inner = [0, 0, 0, 0]
     for name, scope, ix in accesses:
-        n, s = _touched(ix, loops)
+        uses, s = _access(ix, loops)
+        n = _touched(uses, loops)
         total += 4 * n
         reuse.append(trips / max(n, 1))
         strides.append(s)
         for k in range(4):
-            inner[k] += 4 * _touched(ix, loops[len(loops) - k - 1:] if k < len(loops) else loops)[0]
+            inner[k] += 4 * _touched(uses, loops, max(0, len(loops) - k - 1))
     f["bytes_total"] = total
     for k in range(4):
         f[f"bytes_inner{k + 1}"] = inner[k]

@@ -201,7 +201,7 @@ class _Lowering:
             if buf.scope == "local":
                 ix = Bin("-", ix, base[axes[d].name])
             out = Bin("+", out, Bin("*", ix, Const(st, True)))
-        return simplify(_fold_affine(out))
+        return _fold_affine(out)
 
     def lower_value(self, s: StageState, values: dict[str, Expr]) -> Expr:
         body = substitute(s.stage.body, values)

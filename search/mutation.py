@@ -3,23 +3,40 @@ granularity, unroll depth, compute location) and per-stage crossover. Every resu
 replayed and lowered; an operator returns None when it cannot produce a valid schedule."""
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 
 from .compute import ComputeDAG
-from .lower import lower
+from .lower import Program, lower
 from .schedule import ScheduleError, State, Step, apply_step, initial_state, replay
 from .sketch import MAX_INNER_TILE, UNROLL_STEPS, _outer_spatial, compute_location_options, has_data_reuse
 
 STRUCTURE_KINDS = ("split", "follow_split", "reorder", "cache_write", "rfactor", "compute_inline")
 
 
-def _valid(dag: ComputeDAG, steps: list[Step]) -> list[Step] | None:
+_PROGRAMS: dict[tuple[int, str], tuple[ComputeDAG, Program | None]] = {}
+
+
+def checked_program(dag: ComputeDAG, steps: list[Step]) -> Program | None:
+    """The lowered program of a schedule, or None when it is invalid (memoised: evolution
+    validates a candidate and then extracts its features from the same program)."""
+    key = (id(dag), json.dumps(steps, sort_keys=True))
+    hit = _PROGRAMS.get(key)
+    if hit is not None and hit[0] is dag:
+        return hit[1]
     try:
-        lower(replay(dag, steps))
-        return steps
+        prog: Program | None = lower(replay(dag, steps))
     except (ScheduleError, ValueError):
-        return None
+        prog = None
+    if len(_PROGRAMS) > 4096:
+        _PROGRAMS.clear()
+    _PROGRAMS[key] = (dag, prog)
+    return prog
+
+
+def _valid(dag: ComputeDAG, steps: list[Step]) -> list[Step] | None:
+    return steps if checked_program(dag, steps) is not None else None
 
 
 def _state_before(dag: ComputeDAG, steps: list[Step], idx: int) -> State:

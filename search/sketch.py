@@ -54,6 +54,11 @@ def fusible_consumer(state: State, name: str) -> str | None:
     return c.name
 
 
+def _has_math(e) -> bool:
+    from .expr import Call, children
+    return isinstance(e, Call) or any(_has_math(c) for c in children(e))
+
+
 def _is_inlinable(state: State, st: StageState) -> bool:
     return st.stage.reduce_op is None and st.name != state.output and bool(state.consumers(st.name))
 
@@ -100,6 +105,8 @@ def generate_sketches(dag: ComputeDAG) -> list[Sketch]:
         branches: list[tuple[str, list[Step]]] = []
         if _is_inlinable(state, st):
             branches.append(("inline", [{"kind": "compute_inline", "stage": name}]))
+            if _has_math(st.stage.body):  # inlining would recompute exp/tanh in every consumer
+                branches.append(("", []))
         elif has_data_reuse(st.stage):
             cons = fusible_consumer(state, name)
             if cons is not None:

@@ -1,0 +1,205 @@
+"""Kernel-search benchmark: W1-W5 tuned with evolutionary search + XGBoost model and with random
+search, next to XLA on CPU (jax.jit), numpy, and this machine's peak FLOP/s and bandwidth.
+
+    .venv/bin/python benchmarks/kernels.py [--trials 256] [--random-trials 256] [--workloads W1,W2]
+
+Prints a rich table and writes benchmarks/results/kernels.json (rewritten after every run, so
+a run cut short keeps what it measured). Tuning records go to a fresh DB under results/.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from search import Task, tune  # noqa: E402
+from search.measure import MeasureOptions  # noqa: E402
+
+WORKLOADS = {
+    "W1": ("matmul 512x512x512", Task.matmul(512, 512, 512)),
+    "W2": ("dense 1024x1024 @ 1024x4096 + bias + gelu", Task.dense(1024, 4096, 1024, "gelu")),
+    "W3": ("batch matmul 32 x (128x64 @ 64x128)", Task.batch_matmul(32, 128, 128, 64)),
+    "W4": ("softmax 4096x1024", Task.softmax(4096, 1024)),
+    "W5": ("layernorm 4096x1024", Task.layernorm(4096, 1024)),
+}
+OUT = os.path.join(ROOT, "benchmarks", "results", "kernels.json")
+
+
+def _time(fn, min_runs: int = 5, min_time_s: float = 0.3) -> float:
+    """Median seconds per call after one warm-up call."""
+    fn()
+    ts: list[float] = []
+    while len(ts) < min_runs or sum(ts) < min_time_s:
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+        if len(ts) >= 100:
+            break
+    return float(np.median(ts))
+
+
+def baselines(task: Task) -> dict[str, float]:
+    """XLA (jax.jit on CPU) and numpy latencies of the same operator, fp32."""
+    import jax
+    import jax.numpy as jnp
+
+    ins = task.random_inputs(0)
+    p = dict(task.params)
+    args = [ins[n] for n, _ in task.input_shapes]
+    if task.op in ("matmul", "batch_matmul"):
+        jf, nf = (lambda a, b: a @ b), (lambda a, b: a @ b)
+    elif task.op == "dense":
+        jf = lambda a, b, c: jax.nn.gelu(a @ b + c)  # noqa: E731  (tanh approximation, as ours)
+        nf = lambda a, b, c: (lambda x: 0.5 * x * (1 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3))))(a @ b + c)  # noqa: E731
+    elif task.op == "softmax":
+        jf = lambda x: jax.nn.softmax(x, axis=1)  # noqa: E731
+        nf = lambda x: (lambda e: e / e.sum(1, keepdims=True))(np.exp(x - x.max(1, keepdims=True)))  # noqa: E731
+    elif task.op == "layernorm":
+        eps = p.get("eps", 1e-5)
+
+        def jf(x, g, b):
+            m = x.mean(1, keepdims=True)
+            v = ((x - m) ** 2).mean(1, keepdims=True)
+            return (x - m) * jax.lax.rsqrt(v + eps) * g + b
+
+        def nf(x, g, b):
+            m = x.mean(1, keepdims=True)
+            v = ((x - m) ** 2).mean(1, keepdims=True)
+            return (x - m) / np.sqrt(v + eps) * g + b
+    else:
+        raise ValueError(task.op)
+    jitted = jax.jit(jf)
+    dargs = [jnp.asarray(a) for a in args]
+    xla_s = _time(lambda: jitted(*dargs).block_until_ready())
+    numpy_s = _time(lambda: nf(*args), min_runs=3)
+    return {"xla_s": xla_s, "numpy_s": numpy_s}
+
+
+_PEAK_C = r"""
+#include <immintrin.h>
+#include <omp.h>
+double peak_flops(long iters) {
+  double t0 = omp_get_wtime(); float sink = 0;
+  #pragma omp parallel reduction(+:sink)
+  {
+    __m512 a[12]; __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(0.001f);
+    for (int k = 0; k < 12; ++k) a[k] = _mm512_set1_ps((float)k);
+    for (long i = 0; i < iters; ++i)
+      for (int k = 0; k < 12; ++k) a[k] = _mm512_fmadd_ps(a[k], b, c);
+    for (int k = 0; k < 12; ++k) sink += _mm512_reduce_add_ps(a[k]);
+  }
+  double dt = omp_get_wtime() - t0;
+  return (sink == 12345.f ? 0 : 1) * (double)iters * 12 * 16 * 2 * omp_get_max_threads() / dt;
+}
+double triad_bytes_per_s(float* a, const float* b, const float* c, long n) {
+  double best = 0;
+  for (int r = 0; r < 5; ++r) {
+    double t0 = omp_get_wtime();
+    #pragma omp parallel for
+    for (long i = 0; i < n; ++i) a[i] = b[i] + 3.0f * c[i];
+    double bw = 3.0 * 4 * n / (omp_get_wtime() - t0);
+    if (bw > best) best = bw;
+  }
+  return best;
+}
+"""
+
+
+def machine_peaks() -> dict[str, float]:
+    """FMA throughput (AVX-512, all cores) and STREAM-triad bandwidth, measured here."""
+    d = tempfile.mkdtemp()
+    src, so = os.path.join(d, "peak.c"), os.path.join(d, "peak.so")
+    with open(src, "w") as f:
+        f.write(_PEAK_C)
+    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", so, src], check=True)
+    lib = ctypes.CDLL(so)
+    lib.peak_flops.restype = ctypes.c_double
+    lib.peak_flops.argtypes = [ctypes.c_long]
+    lib.triad_bytes_per_s.restype = ctypes.c_double
+    lib.triad_bytes_per_s.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long]
+    flops = max(lib.peak_flops(20_000_000) for _ in range(3))
+    n = 32 * 1024 * 1024
+    a, b, c = (np.ones(n, np.float32) for _ in range(3))
+    bw = lib.triad_bytes_per_s(a.ctypes.data, b.ctypes.data, c.ctypes.data, n)
+    return {"peak_flops_per_s": flops, "triad_bytes_per_s": bw}
+
+
+def min_bytes(task: Task) -> int:
+    """Compulsory traffic: every input read once and the output written once (fp32)."""
+    n = sum(int(np.prod(s)) for _, s in task.input_shapes) + int(np.prod(task.output_shape))
+    return 4 * n
+
+
+def tuning_run(task: Task, policy: str, trials: int, db: str, checkpoints=(64, 256)) -> dict:
+    opts = MeasureOptions(repeats=3, min_time_s=0.05, max_time_s=0.5, run_timeout_s=15.0)
+    res = tune(task, trials=trials, db=db, policy=policy, batch_size=16, measure_options=opts, warm_start=False)
+    out = {"trials": res.trials, "tuning_time_s": res.tuning_time_s,
+           "errors": sum(1 for r in res.records if not r.ok)}
+    for c in checkpoints:
+        if c <= res.trials:
+            out[f"best_s@{c}"] = res.best_after(c)
+            out[f"time_s@{c}"] = next((h[2] for h in res.history if h[0] >= c), res.tuning_time_s)
+    out["best_s"] = res.best_latency_s
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trials", type=int, default=256)
+    ap.add_argument("--random-trials", type=int, default=256)
+    ap.add_argument("--workloads", default="W1,W2,W3,W4,W5")
+    args = ap.parse_args()
+    os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    db = os.path.join(os.path.dirname(OUT), f"kernels_db_{int(time.time())}.sqlite")
+    result: dict = {"machine": {**machine_peaks(), "cores": os.cpu_count()}, "workloads": {},
+                    "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    for w in args.workloads.split(","):
+        desc, task = WORKLOADS[w]
+        entry = {"desc": desc, "workload_key": task.workload_key, "gflop": task.flops / 1e9,
+                 "min_mbytes": min_bytes(task) / 1e6, **baselines(task)}
+        result["workloads"][w] = entry
+        for policy, trials in (("evolutionary", args.trials), ("random", args.random_trials)):
+            if trials > 0:
+                entry[policy] = tuning_run(task, policy, trials, db)
+                with open(OUT, "w") as f:
+                    json.dump(result, f, indent=1)
+                print(w, policy, json.dumps(entry[policy]), flush=True)
+    with open(OUT, "w") as f:
+        json.dump(result, f, indent=1)
+    print_table(result)
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m = result["machine"]
+    t = Table(title=f"kernel search on {m['cores']} cores: peak {m['peak_flops_per_s'] / 1e9:.0f} GFLOP/s, "
+                    f"triad {m['triad_bytes_per_s'] / 1e9:.1f} GB/s (ms; lower is better)")
+    for c in ("W", "XLA", "numpy", "evo@64", "evo@256", "evo tune s", "rand@64", "rand@256", "rand tune s",
+              "best vs XLA", "roofline ms"):
+        t.add_column(c, justify="right")
+    ms = lambda x: f"{x * 1e3:.3f}" if x is not None and x < float("inf") else "-"  # noqa: E731
+    for w, e in result["workloads"].items():
+        ev, rd = e.get("evolutionary", {}), e.get("random", {})
+        best = min(ev.get("best_s", float("inf")), rd.get("best_s", float("inf")))
+        roof = max(e["gflop"] * 1e9 / m["peak_flops_per_s"], e["min_mbytes"] * 1e6 / m["triad_bytes_per_s"])
+        t.add_row(w, ms(e["xla_s"]), ms(e["numpy_s"]), ms(ev.get("best_s@64")), ms(ev.get("best_s@256")),
+                  f"{ev.get('tuning_time_s', 0):.0f}", ms(rd.get("best_s@64")), ms(rd.get("best_s@256")),
+                  f"{rd.get('tuning_time_s', 0):.0f}", f"{e['xla_s'] / best:.2f}x" if best < float('inf') else "-",
+                  ms(roof))
+    Console().print(t)
+
+
+if __name__ == "__main__":
+    main()
