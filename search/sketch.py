@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, replace
 
 from .compute import ComputeDAG, Stage
-from .expr import Load, Var, variables
+from .expr import Var, variables
 from .lower import lower
 from .schedule import ScheduleError, State, Step, StageState, apply_step, initial_state, replay
 
