@@ -283,3 +283,29 @@ def test_profile_measures_candidate_stages_once_and_caches_them():
     ex2 = build_pipeshard(step, (p, x), method, devices=devices, tuning_db=db, compiler_options=FAST)
     assert len(db.rows) == 9
     assert ex2.plan.submeshes == ((1, 1), (1, 1)) and len(ex2.plan.stage_layers) == 2
+
+
+def test_stage_intra_op_sharding_from_param_sharding_fn():
+    """A stage's own intra-op plan: weights split over its mesh's model axis (Megatron
+    style) give the same numbers and show up in the compiled stage program."""
+    from jax.sharding import PartitionSpec as P
+
+    opt = optax.sgd(0.1)
+    state = init_state(opt)
+    batch = make_batch(jax.random.PRNGKey(2), MICRO * 2)
+    shard_last = lambda stage, leaf, aval, mesh: (
+        P(None, "model") if aval.ndim == 2 and aval.shape[1] % mesh.shape["model"] == 0 else P())
+    # price (1, 4) views lowest so each 4-device stage is a pure model-parallel mesh
+    cost = lambda r, sub, lm: (1.0 if lm[0] == 1 else 2.0, 0.0)
+    ex = build_pipeshard(make_step(opt, markers=True), (state, batch),
+                         PipeshardParallel(num_micro_batches=2, num_stages=2),
+                         stage_cost_fn=cost, compiler_options=FAST, param_sharding_fn=shard_last)
+    assert ex.plan.logical_meshes == ((1, 4), (1, 4))
+    new_state, loss = ex(state, batch)
+    ref_state, ref_loss = _reference("sgd", opt, state, batch, True)
+    _assert_close(loss, ref_loss)
+    _assert_close(new_state, ref_state)
+    fwd = ex.stage_programs()[1]["forward"]
+    specs = [s.spec for s in jax.tree.leaves(fwd.input_shardings[0])]
+    assert P(None, "model") in specs
+    assert "all-reduce" in fwd.as_text() or "all-gather" in fwd.as_text()

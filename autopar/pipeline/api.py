@@ -130,7 +130,8 @@ class PipeshardExecutable:
     """A planned, runnable pipeline for one input signature."""
 
     def __init__(self, traced: TracedStep, method: PipeshardParallel, devices: Sequence[Any],
-                 plan: PipelinePlan, compiler_options: dict | None = None):
+                 plan: PipelinePlan, compiler_options: dict | None = None,
+                 param_sharding_fn: Callable | None = None):
         self.traced, self.method, self.devices, self.plan = traced, method, list(devices), plan
         self.meshes = [_make_mesh([self.devices[i] for i in ids], lm)
                        for ids, lm in zip(plan.device_ids, plan.logical_meshes)]
@@ -139,7 +140,8 @@ class PipeshardExecutable:
         self.specs = split_loss(loss.jaxpr, plan.stage_eqn_cuts, mask)
         orders = stage_orders(method.schedule, len(self.specs), method.num_micro_batches)
         self.runtime = PipelineRuntime(loss, self.specs, self.meshes, issue_order(orders),
-                                       method.num_micro_batches, compiler_options)
+                                       method.num_micro_batches, compiler_options,
+                                       param_sharding_fn)
         S = len(self.specs)
         diff_pos = [i for i, d in enumerate(mask) if d]
         owner = self.runtime.owner
@@ -275,7 +277,8 @@ def plan_pipeshard(fun: Callable[..., Any], args: Sequence[Any], method: Pipesha
 def build_pipeshard(fun: Callable[..., Any], args: Sequence[Any], method: PipeshardParallel,
                     devices: Sequence[Any] | None = None, stage_cost_fn: Callable | None = None,
                     device_model: DeviceModel | None = None,
-                    compiler_options: dict | None = None, tuning_db: Any = None) -> PipeshardExecutable:
+                    compiler_options: dict | None = None, tuning_db: Any = None,
+                    param_sharding_fn: Callable | None = None) -> PipeshardExecutable:
     """Trace, plan and build a pipeline for `fun(*args)`.
 
     stage_cost_fn(layer_range, submesh_shape, logical_mesh_shape) -> StageCost or
@@ -283,6 +286,9 @@ def build_pipeshard(fun: Callable[..., Any], args: Sequence[Any], method: Pipesh
     micro-batch loss jaxpr (`trace_step(...).loss_jaxpr`); default: roofline estimate,
     or with `method.profile` measurements on `devices` cached in `tuning_db`.
     compiler_options are passed to XLA for every stage program.
+    param_sharding_fn(stage, leaf, aval, mesh) -> NamedSharding or PartitionSpec over the
+    stage mesh's ("data", "model") axes places each parameter (the stage's intra-op plan);
+    default: replicated, with the batch split over the whole stage mesh (data parallel).
     """
     _check_method(method)
     devices = list(jax.devices() if devices is None else devices)
@@ -300,4 +306,4 @@ def build_pipeshard(fun: Callable[..., Any], args: Sequence[Any], method: Pipesh
                                       compiler_options)
     plan = plan_pipeline(traced.loss_jaxpr.jaxpr, traced.call.diff_leaf_mask, method, hosts, dph,
                          device, stage_cost_fn)
-    return PipeshardExecutable(traced, method, devices, plan, compiler_options)
+    return PipeshardExecutable(traced, method, devices, plan, compiler_options, param_sharding_fn)

@@ -34,18 +34,27 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
 
 
 class CompiledOnFirstCall:
-    """A jitted function compiled ahead of time on its first call; keeps the Compiled."""
+    """A jitted function compiled ahead of time on its first call; keeps the Compiled.
 
-    def __init__(self, fn: Callable[..., Any], name: str, compiler_options: dict | None = None):
-        self.jitted = jax.jit(fn)
+    `make_fn(args)` builds the function from the first call's arguments (so it can pin
+    accumulator outputs to their inputs' shardings)."""
+
+    def __init__(self, make_fn: Callable[..., Callable[..., Any]], name: str,
+                 compiler_options: dict | None = None):
+        self.make_fn = make_fn
         self.name = name
         self.compiler_options = compiler_options
         self.compiled: Any = None
 
     def __call__(self, *args):
         if self.compiled is None:
-            self.compiled = self.jitted.lower(*args).compile(self.compiler_options)
+            self.compiled = jax.jit(self.make_fn(args)).lower(*args).compile(self.compiler_options)
         return self.compiled(*args)
+
+
+def _pin(values: tuple, like: tuple) -> tuple:
+    """Keep accumulators on their inputs' shardings, so the next call matches."""
+    return tuple(jax.lax.with_sharding_constraint(v, a.sharding) for v, a in zip(values, like))
 
 
 def jaxpr_key(closed_jaxpr: Any, eqn_range: tuple[int, int], invars: Sequence[Any],
@@ -78,13 +87,14 @@ class StageProgram:
 
 
 def stage_program(spec: StageSpec, closed_jaxpr: Any, mesh: Mesh,
-                  compiler_options: dict | None = None) -> StageProgram:
-    """The stage's programs, shared with earlier pipelines that had the same stage."""
+                  compiler_options: dict | None = None, layout: Any = ()) -> StageProgram:
+    """The stage's programs, shared with earlier pipelines that had the same stage (same
+    equations, devices, parameter layout `layout` and compiler options)."""
     jaxpr = closed_jaxpr.jaxpr
     invars = [jaxpr.invars[i] for i in spec.param_leaves + spec.batch_leaves] + list(spec.in_acts)
     key = (jaxpr_key(closed_jaxpr, (spec.eqn_start, spec.eqn_end), invars, spec.out_acts),
            spec.index, tuple(d.id for d in mesh.devices.flat), mesh.devices.shape,
-           tuple(sorted((compiler_options or {}).items())))
+           tuple(sorted((compiler_options or {}).items())), layout)
     if key not in _PROGRAM_CACHE:
         _PROGRAM_CACHE[key] = _stage_programs(spec, closed_jaxpr, mesh, compiler_options)
     cached = _PROGRAM_CACHE[key]
@@ -101,7 +111,7 @@ def _stage_programs(spec: StageSpec, closed_jaxpr: Any, mesh: Mesh,
         fl, it = iter(fl), iter(it)
         return tuple(next(fl) if m else next(it) for m in mask)
 
-    def forward(params, batch, acts_float, acts_int, loss_acc, loss_scale):
+    def forward(params, batch, acts_float, acts_int, loss_acc, loss_scale, pin=()):
         def f(p, af):
             outs = fn(p, batch, merge(af, acts_int, float_in))
             return (tuple(o for o, m in zip(outs, float_out) if m),
@@ -109,16 +119,22 @@ def _stage_programs(spec: StageSpec, closed_jaxpr: Any, mesh: Mesh,
         out_f, vjp_fn, out_i = jax.vjp(f, params, acts_float, has_aux=True)
         # the last stage sums the loss over micro-batches (loss_acc is () elsewhere)
         loss_acc = tuple(a + out_f[0] * loss_scale for a in loss_acc)
-        return out_f, out_i, vjp_fn, loss_acc
+        return out_f, out_i, vjp_fn, _pin(loss_acc, pin)
 
-    def backward(vjp_fn, cts, grad_acc):
+    def backward(vjp_fn, cts, grad_acc, pin=()):
         ct = tuple(sum(c[1:], c[0]) for c in cts)
         g_params, g_acts = vjp_fn(ct)
-        return tuple(a + g for a, g in zip(grad_acc, g_params)), g_acts
+        return _pin(tuple(a + g for a, g in zip(grad_acc, g_params)), pin), g_acts
+
+    def make_forward(args):
+        return lambda *a: forward(*a, pin=args[4])
+
+    def make_backward(args):
+        return lambda *a: backward(*a, pin=args[2])
 
     name = f"stage{spec.index}"
-    return StageProgram(spec, mesh, CompiledOnFirstCall(forward, name + "_forward", compiler_options),
-                        CompiledOnFirstCall(backward, name + "_backward", compiler_options),
+    return StageProgram(spec, mesh, CompiledOnFirstCall(make_forward, name + "_forward", compiler_options),
+                        CompiledOnFirstCall(make_backward, name + "_backward", compiler_options),
                         float_in, float_out)
 
 
@@ -137,12 +153,16 @@ class PipelineRuntime:
 
     def __init__(self, closed_jaxpr: Any, specs: Sequence[StageSpec], meshes: Sequence[Mesh],
                  order: Sequence[Task], num_micro_batches: int,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None,
+                 param_sharding_fn: Callable[[int, int, Any, Mesh], Any] | None = None):
         if len(specs) != len(meshes):
             raise ValueError(f"{len(specs)} stages but {len(meshes)} submeshes")
         self.closed_jaxpr = closed_jaxpr
+        self.param_sharding_fn = param_sharding_fn
         self.specs = list(specs)
-        self.programs = [stage_program(sp, closed_jaxpr, m, compiler_options)
+        self.meshes = list(meshes)
+        self.programs = [stage_program(sp, closed_jaxpr, m, compiler_options,
+                                       tuple(repr(self.param_sharding(sp.index, i)) for i in sp.param_leaves))
                          for sp, m in zip(specs, meshes)]
         self.order = list(order)
         self.num_micro_batches = num_micro_batches
@@ -158,8 +178,14 @@ class PipelineRuntime:
                           for sp in self.specs]
         self.producer = producer
 
-    def param_sharding(self, stage: int, aval: Any) -> NamedSharding:
-        return replicated(self.programs[stage].mesh)
+    def param_sharding(self, stage: int, leaf: int) -> NamedSharding:
+        """Where parameter `leaf` (loss invar position) lives on `stage`: the intra-op
+        plan's choice when a `param_sharding_fn` is given, else replicated."""
+        mesh = self.meshes[stage]
+        if self.param_sharding_fn is None:
+            return replicated(mesh)
+        sh = self.param_sharding_fn(stage, leaf, self.closed_jaxpr.jaxpr.invars[leaf].aval, mesh)
+        return sh if isinstance(sh, NamedSharding) else NamedSharding(mesh, sh)
 
     def run(self, leaves: Sequence[Any], diff_mask: Sequence[bool]) -> PipelineRun:
         """Pipelined loss and gradients. `leaves` are the loss's flattened arguments at full
@@ -180,7 +206,7 @@ class PipelineRuntime:
         stage_params = []
         for prog in self.programs:
             sp = prog.spec
-            stage_params.append(tuple(jax.device_put(leaves[i], self.param_sharding(sp.index, jaxpr.invars[i].aval))
+            stage_params.append(tuple(jax.device_put(leaves[i], self.param_sharding(sp.index, i))
                                       for i in sp.param_leaves))
         grad_acc = []
         for prog, params in zip(self.programs, stage_params):
@@ -241,7 +267,7 @@ class PipelineRuntime:
         grads: dict[int, Any] = {}
         for prog, acc in zip(self.programs, grad_acc):
             for i, g in zip(prog.spec.param_leaves, acc):
-                owner_sharding = self.param_sharding(self.owner[i], g)
+                owner_sharding = self.param_sharding(self.owner[i], i)
                 g = jax.device_put(g, owner_sharding)
                 grads[i] = g if i not in grads else grads[i] + g
         for i in self.unused_params:
