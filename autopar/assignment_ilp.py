@@ -46,6 +46,10 @@ class AssignmentProblem:
     edges: list[Edge] = field(default_factory=list)
     memory_rows: list[MemoryRow] = field(default_factory=list)
     memory_limit_bytes: float = float("inf")
+    tie: tuple[int, ...] | None = None   # tie[k]: node whose choice node k must copy (k itself if free)
+
+    def rep(self, k: int) -> int:
+        return k if self.tie is None else self.tie[k]
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,11 @@ def memory_of(problem: AssignmentProblem, choice: tuple[int, ...]) -> list[float
 def brute_force(problem: AssignmentProblem) -> tuple[tuple[int, ...], float] | None:
     """Enumerate every assignment; for tests on small problems."""
     best = None
-    for choice in itertools.product(*(range(len(c)) for c in problem.node_cost_s)):
+    n = len(problem.node_cost_s)
+    free = [k for k in range(n) if problem.rep(k) == k]
+    for sub in itertools.product(*(range(len(problem.node_cost_s[k])) for k in free)):
+        pick = dict(zip(free, sub))
+        choice = tuple(pick[problem.rep(k)] for k in range(n))
         if any(m > problem.memory_limit_bytes * (1 + 1e-9) for m in memory_of(problem, choice)):
             continue
         val = evaluate(problem, choice)
@@ -109,30 +117,57 @@ def _compress(e: Edge) -> Edge:
 
 
 def _build(problem: AssignmentProblem) -> tuple[_Matrix, list[int]]:
-    offsets, n = [], 0
-    for c in problem.node_cost_s:
-        offsets.append(n)
-        n += len(c)
+    n_nodes = len(problem.node_cost_s)
+    rep = [problem.rep(k) for k in range(n_nodes)]
+    for k in range(n_nodes):
+        if len(problem.node_cost_s[k]) != len(problem.node_cost_s[rep[k]]):
+            raise ValueError(f"tied nodes {k} and {rep[k]} have different numbers of choices")
+    offsets, n = [0] * n_nodes, 0
+    costs: dict[int, np.ndarray] = {}
+    for k in range(n_nodes):
+        if rep[k] == k:
+            offsets[k] = n
+            n += len(problem.node_cost_s[k])
+            costs[k] = np.array(problem.node_cost_s[k], dtype=float)
+    for k in range(n_nodes):
+        if rep[k] != k:
+            offsets[k] = offsets[rep[k]]
+            costs[rep[k]] = costs[rep[k]] + np.asarray(problem.node_cost_s[k], dtype=float)
+    # Edges between the same pair of representatives add up; an edge within one
+    # representative is linear in its choice.
+    merged: dict[tuple[int, int], list[Edge]] = {}
+    for e in problem.edges:
+        rs, rd = rep[e.src], rep[e.dst]
+        if rs == rd:
+            costs[rs] = costs[rs] + np.asarray(e.cost_s, float)[e.src_key, e.dst_key]
+        else:
+            merged.setdefault((rs, rd), []).append(e)
+    edges = []
+    for (rs, rd), es in merged.items():
+        if len(es) == 1:
+            e = es[0]
+            edges.append(Edge(rs, rd, e.src_key, e.dst_key, e.cost_s))
+        else:
+            total = sum(np.asarray(e.cost_s, float)[np.ix_(e.src_key, e.dst_key)] for e in es)
+            edges.append(Edge(rs, rd, np.arange(total.shape[0]), np.arange(total.shape[1]), total))
     n_int = n
-    costs = [np.asarray(c, dtype=float) for c in problem.node_cost_s]
     rows_r, rows_c, rows_v, b_eq = [], [], [], []
     eq = 0
-    for k, c in enumerate(costs):  # one-hot
+    for k, c in costs.items():  # one-hot
         rows_r.append(np.full(len(c), eq)); rows_c.append(offsets[k] + np.arange(len(c))); rows_v.append(np.ones(len(c)))
         b_eq.append(1.0); eq += 1
     extra_cost: list[np.ndarray] = []
-    node_extra = [np.zeros(len(c)) for c in costs]
     next_var = n
-    for e in map(_compress, problem.edges):
+    for e in map(_compress, edges):
         cost = e.cost_s
         if not np.any(cost):
             continue
         ns, nd = cost.shape
         if ns == 1 or nd == 1:  # the cost is linear in the other end's choice
             if ns == 1:
-                node_extra[e.dst] += cost[0, e.dst_key]
+                costs[e.dst] = costs[e.dst] + cost[0, e.dst_key]
             else:
-                node_extra[e.src] += cost[e.src_key, 0]
+                costs[e.src] = costs[e.src] + cost[e.src_key, 0]
             continue
         pair = next_var + np.arange(ns * nd).reshape(ns, nd)
         next_var += ns * nd
@@ -149,12 +184,18 @@ def _build(problem: AssignmentProblem) -> tuple[_Matrix, list[int]]:
             rows_c.append(np.concatenate([pair[:, b], offsets[e.dst] + dst_idx]))
             rows_v.append(np.concatenate([np.ones(ns), -np.ones(len(dst_idx))]))
             b_eq.append(0.0); eq += 1
-    c = np.concatenate([np.concatenate(costs) + np.concatenate(node_extra)] + extra_cost) if costs else np.zeros(0)
+    node_c = np.zeros(n)
+    for k, c in costs.items():
+        node_c[offsets[k]: offsets[k] + len(c)] = c
+    c = np.concatenate([node_c] + extra_cost)
     ub = []
     if np.isfinite(problem.memory_limit_bytes):
         for row in problem.memory_rows:
-            cols = np.concatenate([offsets[k] + np.arange(len(v)) for k, v in row.coeff.items()]) if row.coeff else np.zeros(0, int)
-            vals = np.concatenate([np.asarray(v, float) for v in row.coeff.values()]) if row.coeff else np.zeros(0)
+            acc: dict[int, np.ndarray] = {}
+            for k, v in row.coeff.items():
+                acc[rep[k]] = acc.get(rep[k], 0) + np.asarray(v, float)
+            cols = np.concatenate([offsets[k] + np.arange(len(v)) for k, v in acc.items()]) if acc else np.zeros(0, int)
+            vals = np.concatenate(list(acc.values())) if acc else np.zeros(0)
             ub.append((cols, vals, problem.memory_limit_bytes - row.constant_bytes))
     return _Matrix(c, n_int, rows_r, rows_c, rows_v, b_eq, ub), offsets
 
@@ -232,7 +273,7 @@ def min_memory(problem: AssignmentProblem, time_limit_s: float = 30.0) -> float:
     """Smallest achievable max over memory rows (bytes): the budget that would fit."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    no_limit = AssignmentProblem(problem.node_cost_s, [], [], float("inf"))
+    no_limit = AssignmentProblem(problem.node_cost_s, [], [], float("inf"), problem.tie)
     m, offsets = _build(no_limit)
     nvar = len(m.c) + 1  # last variable: the peak
     A_eq = sparse.csr_matrix((np.concatenate(m.eq_vals), (np.concatenate(m.eq_rows), np.concatenate(m.eq_cols))), shape=(len(m.b_eq), nvar))
@@ -241,7 +282,7 @@ def min_memory(problem: AssignmentProblem, time_limit_s: float = 30.0) -> float:
     for row in problem.memory_rows:
         v = np.zeros(nvar)
         for k, coeff in row.coeff.items():
-            v[offsets[k]: offsets[k] + len(coeff)] = coeff
+            v[offsets[k]: offsets[k] + len(coeff)] += coeff
         v[-1] = -1.0
         rows.append((v, -row.constant_bytes))
     if rows:

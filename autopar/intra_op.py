@@ -18,6 +18,7 @@ import numpy as np
 from autopar import assignment_ilp as ilp
 from autopar.cluster import LogicalMesh
 from autopar.graph.op_graph import Op, OpGraph, TensorSpec
+from autopar.repeats import representatives, tandem_repeats
 from autopar.resharding import reshard_cost
 from autopar.sharding_spec import Collective, DimSharding, Strategy, all_layouts, replicated, shard_factor
 from autopar.strategies import enumerate_strategies, is_follower
@@ -81,17 +82,24 @@ class _Group:
     ops: list[int] = field(default_factory=list)
 
 
+_RESHARD_CACHE: dict = {}
+
+
 class _ReshardCache:
+    """reshard_cost memoised across plans (costs depend only on the mesh's numbers)."""
+
     def __init__(self, mesh: LogicalMesh):
-        self.mesh, self.cache = mesh, {}
+        self.mesh = mesh
+        self.mesh_key = (mesh.shape, tuple(mesh.alpha_s), tuple(mesh.beta_s_per_byte))
 
     def __call__(self, src: DimSharding, dst: DimSharding, spec: TensorSpec) -> tuple[float, tuple[Collective, ...]]:
         if src == dst:
             return 0.0, ()
-        key = (src, dst, spec.shape, spec.dtype)
-        if key not in self.cache:
-            self.cache[key] = reshard_cost(src, dst, spec, self.mesh)
-        return self.cache[key]
+        key = (self.mesh_key, src, dst, spec.shape, spec.dtype)
+        hit = _RESHARD_CACHE.get(key)
+        if hit is None:
+            hit = _RESHARD_CACHE[key] = reshard_cost(src, dst, spec, self.mesh)
+        return hit
 
 
 def _scan_strategies(op: Op, mesh: LogicalMesh, time_limit_s: float, solver: str) -> list[Strategy]:
@@ -289,21 +297,74 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
                   fixed_specs: dict[int, DimSharding] | None = None,
                   allowed_specs: dict[int, list[DimSharding]] | None = None,
                   tie_outputs: dict[int, int] | None = None, time_limit_s: float = 30.0,
-                  solver: str = "highs") -> BuiltProblem:
+                  solver: str = "highs", tie_layers: bool = True) -> BuiltProblem:
     reshard = _ReshardCache(mesh)
     groups, group_of = _build_groups(graph, mesh, fixed_specs or {}, allowed_specs or {}, reshard, time_limit_s, solver)
     edges = _edges(graph, groups, group_of, reshard, tie_outputs or {})
     peak_rows, arg_rows = _memory_rows(graph, groups, group_of, mesh)
+    tie = _layer_ties(graph, groups, group_of) if tie_layers else None
     problem = ilp.AssignmentProblem([np.array([c.cost_s for c in g.choices]) for g in groups],
-                                    [e for e, *_ in edges], peak_rows, memory_budget_bytes)
+                                    [e for e, *_ in edges], peak_rows, memory_budget_bytes, tie)
     return BuiltProblem(problem, groups, group_of, edges, reshard, arg_rows)
+
+
+def _signature(op: Op, graph: OpGraph) -> tuple:
+    def simple(v):
+        return v if isinstance(v, (int, float, str, bool, type(None), tuple)) else type(v).__name__
+    ins = tuple(("lit", repr(graph.literals[v])[:32]) if v in graph.literals else (graph.vars[v].shape, graph.vars[v].dtype)
+                for v in op.inputs)
+    outs = tuple((graph.vars[v].shape, graph.vars[v].dtype) for v in op.outputs)
+    return (op.name, ins, outs, tuple(sorted((k, simple(v)) for k, v in op.params.items())))
+
+
+def _layer_ties(graph: OpGraph, groups: list[_Group], group_of: dict[int, int]) -> tuple[int, ...] | None:
+    """Tie each node of a repeated layer to its copy in the first layer (see `repeats`)."""
+    rep_op = representatives(len(graph.ops), tandem_repeats([_signature(op, graph) for op in graph.ops]))
+    if all(r == i for i, r in enumerate(rep_op)):
+        return None
+    root_group = {g.ops[0]: gid for gid, g in enumerate(groups) if g.ops}
+    tie = list(range(len(groups)))
+
+    def same_choices(g: _Group, h: _Group, g_vars: list[int], h_vars: list[int]) -> bool:
+        return len(g.choices) == len(h.choices) and all(
+            [a.out[v] for v in g_vars] == [b.out[w] for w in h_vars] for a, b in zip(g.choices, h.choices))
+
+    for gid, g in enumerate(groups):
+        if not g.ops or rep_op[g.ops[0]] == g.ops[0]:
+            continue
+        hid = root_group.get(rep_op[g.ops[0]])
+        if hid is None or tie[hid] != hid:
+            continue
+        h = groups[hid]
+        if len(h.ops) != len(g.ops) or any(rep_op[a] != b for a, b in zip(g.ops, h.ops)):
+            continue
+        g_vars = [v for i in g.ops for v in graph.ops[i].outputs]
+        h_vars = [v for i in h.ops for v in graph.ops[i].outputs]
+        if len(g.req_vars) == len(h.req_vars) and same_choices(g, h, g_vars, h_vars):
+            tie[gid] = hid
+    # a parameter read first by a tied op follows the parameter its copy reads
+    first_use: dict[int, tuple[int, int]] = {}
+    for op in graph.ops:
+        for pos, v in enumerate(op.inputs):
+            first_use.setdefault(v, (op.index, pos))
+    for v in graph.invars:
+        if v not in group_of or v not in first_use:
+            continue
+        i, pos = first_use[v]
+        w = graph.ops[rep_op[i]].inputs[pos]
+        gid, hid = group_of[v], group_of.get(w)
+        if rep_op[i] == i or hid is None or hid == gid or tie[hid] != hid or groups[hid].ops:
+            continue
+        if same_choices(groups[gid], groups[hid], [v], [w]):
+            tie[gid] = hid
+    return tuple(tie)
 
 
 def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: float = float("inf"),
                   fixed_specs: dict[int, DimSharding] | None = None,
                   allowed_specs: dict[int, list[DimSharding]] | None = None,
                   tie_outputs: dict[int, int] | None = None,
-                  time_limit_s: float = 30.0, solver: str = "highs") -> ShardingPlan:
+                  time_limit_s: float = 30.0, solver: str = "highs", tie_layers: bool = True) -> ShardingPlan:
     """Solve the intra-op ILP for `graph` on `mesh`.
 
     fixed_specs / allowed_specs constrain the layouts of graph inputs (by var id);
@@ -313,7 +374,8 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
     t0 = time.perf_counter()
     tie_outputs = tie_outputs or {}
     built = build_problem(graph, mesh, memory_budget_bytes=memory_budget_bytes, fixed_specs=fixed_specs,
-                          allowed_specs=allowed_specs, tie_outputs=tie_outputs, time_limit_s=time_limit_s, solver=solver)
+                          allowed_specs=allowed_specs, tie_outputs=tie_outputs, time_limit_s=time_limit_s, solver=solver,
+                          tie_layers=tie_layers)
     problem, groups, edges, reshard = built.problem, built.groups, built.edges, built.reshard
     try:
         sol = ilp.solve(problem, time_limit_s=time_limit_s, solver=solver)
