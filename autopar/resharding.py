@@ -22,7 +22,29 @@ from autopar.strategies.layouts import collective_s, itemsize, mesh_shape_of
 def reshard_cost(src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: Any
                  ) -> tuple[float, tuple[Collective, ...]]:
     """Seconds and collectives to turn `tensor` laid out as `src` into `dst`."""
-    src, dst = _canon(src), _canon(dst)
+    if src == dst:
+        return 0.0, ()
+    key = (src, dst, tensor.shape, tensor.dtype, _mesh_key(mesh))
+    hit = _results.get(key)
+    if hit is None:
+        hit = _results[key] = _reshard_cost(_canon(src), _canon(dst), tensor, mesh)
+    return hit
+
+
+_results: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
+_meshes: dict[int, Any] = {}
+
+
+def _mesh_key(mesh: Any) -> int:
+    """Meshes are keyed by identity (kept alive here, so an id is never reused)."""
+    key = id(mesh)
+    if key not in _meshes:
+        _meshes[key] = mesh
+    return key
+
+
+def _reshard_cost(src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: Any
+                  ) -> tuple[float, tuple[Collective, ...]]:
     if src == dst:
         return 0.0, ()
     ms = mesh_shape_of(mesh)
@@ -33,20 +55,48 @@ def reshard_cost(src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: A
             raise ValueError(f"autopar: {name} layout {s} is not valid for shape {tensor.shape} on mesh {ms}")
     if all(d[:len(s)] == s for s, d in zip(src, dst)):
         return 0.0, ()
+    fast = _gather_only(src, dst, tensor.shape, itemsize(tensor.dtype), mesh, ms)
+    if fast is not None:
+        return fast
     return _search(src, dst, tensor.shape, itemsize(tensor.dtype), _mesh_key(mesh), ms)
 
 
-_meshes: dict[Any, Any] = {}
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return a[:n]
 
 
-def _mesh_key(mesh: Any) -> Any:
-    try:
-        hash(mesh)
-        key = mesh
-    except TypeError:
-        key = ("id", id(mesh))
-    _meshes[key] = mesh
-    return key
+def _gather_only(src, dst, shape, isz, mesh, ms) -> tuple[float, tuple[Collective, ...]] | None:
+    """Closed form when no axis moves between dims: slice every dim that only gains splits,
+    all-gather the dropped axes (together, or one at a time with slicing in between,
+    whichever is cheaper), slice the rest. None when an axis of dst comes from elsewhere."""
+    common = tuple(_common_prefix(s, d) for s, d in zip(src, dst))
+    tails = {d: s[len(c):] for d, (s, c) in enumerate(zip(src, common)) if len(s) > len(c)}
+    gone = tuple(sorted(a for t in tails.values() for a in t))
+    if {a for d, c in zip(dst, common) for a in d[len(c):]} & set(gone):
+        return None
+
+    def clean(state):  # free slicing of every dim that is a prefix of its target
+        return tuple(dst[d] if dst[d][:len(x)] == x else x for d, x in enumerate(state))
+
+    def drop(state, axes):  # the gather's result: a gathered dim is sliced only afterwards
+        return tuple(tuple(a for a in x if a not in axes) for x in state)
+
+    start = clean(src)
+    options = [(Collective("all-gather", _bytes(shape, drop(start, gone), isz, ms), gone),)]
+    if len(gone) == 2:
+        for first in gone:
+            if not any(x and x[-1] == first for x in start):
+                continue  # only a dim's minor-most split can be gathered alone
+            mid = drop(start, (first,))
+            options.append((Collective("all-gather", _bytes(shape, mid, isz, ms), (first,)),
+                            Collective("all-gather", _bytes(shape, drop(clean(mid), gone), isz, ms),
+                                       tuple(a for a in gone if a != first))))
+    costs = [sum(collective_s(mesh, c) for c in cs) for cs in options]
+    i = min(range(len(options)), key=costs.__getitem__)
+    return float(costs[i]), options[i]
 
 
 def _canon(spec: DimSharding) -> DimSharding:
@@ -63,22 +113,38 @@ def _bytes(shape, spec, isz: int, ms) -> float:
     return float(n)
 
 
-@functools.lru_cache(maxsize=65536)
 def _search(src, dst, shape, isz, mkey, ms) -> tuple[float, tuple[Collective, ...]]:
+    """Dijkstra over layouts; only divisibility and the total size matter, so those are the key."""
+    sig = tuple((d % ms[0] == 0, d % ms[1] == 0, d % (ms[0] * ms[1]) == 0) for d in shape)
+    full = float(isz)
+    for d in shape:
+        full *= d
+    return _search_sig(src, dst, sig, full, mkey, ms)
+
+
+@functools.lru_cache(maxsize=65536)
+def _search_sig(src, dst, sig, full, mkey, ms) -> tuple[float, tuple[Collective, ...]]:
     mesh = _meshes[mkey]
-    axes = [a for a, s in enumerate(ms) if s > 1]
-    ndim = len(shape)
+    ndim = len(sig)
+
+    def fits(d: int, axes: tuple[int, ...]) -> bool:
+        return not axes or (sig[d][2] if len(axes) == 2 else sig[d][axes[0]])
+
+    def nbytes(state) -> float:
+        k = 1
+        for x in state:
+            for a in x:
+                k *= ms[a]
+        return full / k
 
     def neighbours(cur):
-        # slice: add an unused axis as the minor-most split of a dim (free)
+        # slice: add an unused axis as the minor-most split of a dim (free); only towards dst,
+        # since an extra split that is not in dst would have to be gathered again
         used = {a for x in cur for a in x}
-        for a in axes:
-            if a in used:
-                continue
-            for d in range(ndim):
-                nxt = cur[:d] + (cur[d] + (a,),) + cur[d + 1:]
-                if is_valid(shape, nxt, ms):
-                    yield nxt, None
+        for d in range(ndim):
+            k = len(cur[d])
+            if k < len(dst[d]) and cur[d] == dst[d][:k] and dst[d][k] not in used:
+                yield cur[:d] + (dst[d][:k + 1],) + cur[d + 1:], None
         # all-gather: drop a set of minor-most axes (one collective over all of them)
         tails = [(d, k) for d in range(ndim) for k in range(1, len(cur[d]) + 1)]
         for r in range(1, len(tails) + 1):
@@ -92,22 +158,27 @@ def _search(src, dst, shape, isz, mkey, ms) -> tuple[float, tuple[Collective, ..
                     gone += list(cur[d][len(cur[d]) - k:])
                     nxt[d] = cur[d][:len(cur[d]) - k]
                 nxt_t = tuple(nxt)
-                c = Collective("all-gather", _bytes(shape, nxt_t, isz, ms), tuple(sorted(gone)))
-                yield nxt_t, c
+                yield nxt_t, ("all-gather", nbytes(nxt_t), tuple(sorted(gone)))
         # all-to-all: move a dim's minor-most axis to the minor end of another dim
         for d1 in range(ndim):
             if not cur[d1]:
                 continue
             a = cur[d1][-1]
             for d2 in range(ndim):
-                if d2 == d1:
+                if d2 == d1 or not fits(d2, cur[d2] + (a,)):
                     continue
                 nxt = list(cur)
                 nxt[d1] = cur[d1][:-1]
                 nxt[d2] = cur[d2] + (a,)
-                nxt_t = tuple(nxt)
-                if is_valid(shape, nxt_t, ms):
-                    yield nxt_t, Collective("all-to-all", _bytes(shape, cur, isz, ms), (a,))
+                yield tuple(nxt), ("all-to-all", nbytes(cur), (a,))
+
+    memo: dict[tuple, float] = {}
+
+    def cost_of(c: tuple) -> float:
+        t = memo.get(c)
+        if t is None:
+            t = memo[c] = collective_s(mesh, Collective(*c))
+        return t
 
     best = {src: 0.0}
     heap = [(0.0, 0, src, ())]
@@ -115,14 +186,14 @@ def _search(src, dst, shape, isz, mkey, ms) -> tuple[float, tuple[Collective, ..
     while heap:
         cost, _, cur, path = heapq.heappop(heap)
         if cur == dst:
-            return float(sum(collective_s(mesh, c) for c in path)), path
+            colls = tuple(Collective(*c) for c in path)
+            return float(sum(cost_of(c) for c in path)), colls
         if cost > best.get(cur, float("inf")):
             continue
         for nxt, c in neighbours(cur):
-            step = 0.0 if c is None else collective_s(mesh, c)
             # prefer fewer collectives on ties (a free slice counts nothing)
-            nc = cost + step + (0.0 if c is None else 1e-15)
+            nc = cost if c is None else cost + cost_of(c) + 1e-15
             if nc < best.get(nxt, float("inf")):
                 best[nxt] = nc
                 heapq.heappush(heap, (nc, next(tie), nxt, path if c is None else path + (c,)))
-    raise ValueError(f"autopar: no resharding path from {src} to {dst} for shape {shape}")  # unreachable
+    raise ValueError(f"autopar: no resharding path from {src} to {dst}")  # unreachable: gather+slice always works

@@ -104,3 +104,25 @@ def test_predicted_collectives_match_compiled_hlo(src, dst):
     got = hlo_collectives(f.lower(x).compile().as_text())
     _, colls = reshard_cost(src, dst, T, MESH)
     assert [(c.kind, c.nbytes) for c in colls] == got
+
+
+def test_closed_form_gathers_agree_with_the_full_search():
+    """The no-move fast path gives the same cost as the shortest-path search."""
+    from autopar.resharding import _gather_only, _mesh_key, _search
+
+    rng = random.Random(1)
+    for shape in [(8, 16, 4), (2, 12), (16, 8, 8, 2)]:
+        t = TensorSpec(shape, "float32")
+        layouts = _layouts(shape, MESH.shape)
+        checked = 0
+        for _ in range(400):
+            a, b = rng.choice(layouts), rng.choice(layouts)
+            if a == b or all(db[:len(da)] == da for da, db in zip(a, b)):
+                continue
+            fast = _gather_only(a, b, shape, 4, MESH, MESH.shape)
+            if fast is None:
+                continue
+            slow = _search(a, b, shape, 4, _mesh_key(MESH), MESH.shape)
+            assert fast[0] == pytest.approx(slow[0], rel=1e-9), (a, b, fast, slow)
+            checked += 1
+        assert checked > 20

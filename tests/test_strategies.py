@@ -253,6 +253,10 @@ SHAPE_CASES = {
     "pad": (lambda x: jnp.pad(x, ((0, 0), (1, 2))), (8, 4)),
     "concatenate": (lambda x: jnp.concatenate([x, x], axis=1), (8, 4)),
     "cumsum": (lambda x: jnp.cumsum(x, axis=1), (8, 4)),
+    "rev": (lambda x: x[:, ::-1], (8, 4)),
+    "dynamic_slice": (lambda x: jax.lax.dynamic_slice_in_dim(x, 1, 3, axis=1), (8, 8)),
+    "max_pool": (lambda x: jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
+                 (4, 4, 4, 8)),
 }
 
 
@@ -302,6 +306,8 @@ def _bind_local(op: Op, graph: OpGraph, block, out_shape):
     params = dict(op.params)
     if op.name == "broadcast_in_dim":
         params["shape"] = tuple(out_shape)
+    if op.name == "dynamic_slice":
+        params["slice_sizes"] = tuple(out_shape)
     if op.name == "slice":
         lim = tuple(s + m for s, m in zip(params["start_indices"], out_shape))
         params["limit_indices"] = lim
