@@ -309,3 +309,23 @@ def test_stage_intra_op_sharding_from_param_sharding_fn():
     specs = [s.spec for s in jax.tree.leaves(fwd.input_shardings[0])]
     assert P(None, "model") in specs
     assert "all-reduce" in fwd.as_text() or "all-gather" in fwd.as_text()
+
+
+def test_plan_for_a_cluster_model_without_devices():
+    """plan_pipeshard plans from shapes alone for a cluster that is not here."""
+    from autopar.cluster import Cluster
+    from autopar.pipeline.api import plan_pipeshard, plan_to_dict
+
+    opt = optax.adam(1e-3)
+    state = jax.eval_shape(lambda: init_state(opt))
+    batch = jax.eval_shape(lambda: make_batch(jax.random.PRNGKey(0), 64))
+    cluster = Cluster.parse("2x4:a100-80g")
+    plan = plan_pipeshard(make_step(opt, markers=True), (state, batch),
+                          PipeshardParallel(num_micro_batches=8, num_stages=2), cluster)
+    assert sorted(i for ids in plan.device_ids for i in ids) == list(range(8))
+    assert len(plan.stage_layers) == 2 and plan.stage_layers[0][0] == 0
+    assert plan.stage_layers[-1][1] == len(plan.layer_cuts) - 1 == 5   # 4 markers -> 5 layers
+    d = plan_to_dict(plan)
+    assert d["predicted_step_s"] == pytest.approx(
+        sum(c.micro_batch_s + c.iteration_s for c in plan.stage_costs)
+        + 7 * max(c.micro_batch_s for c in plan.stage_costs))
