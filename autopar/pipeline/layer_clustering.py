@@ -37,16 +37,17 @@ class Clustering:
 def incoming_bytes(seq: OpSequence) -> np.ndarray:
     """C[i, k]: bytes that ops i..k read from ops before i (distinct values counted once)."""
     n = len(seq.flops)
-    C = np.zeros((n, n))
+    D = np.zeros((n + 1, n + 1))      # 2-D difference array of rectangles
     for p, b, consumers in seq.values:
         prev = p
         for c in sorted(set(consumers)):
             if c <= prev:
                 continue
-            # ranges [i, k] with prev < i <= c first read the value at op c
-            C[prev + 1:c + 1, c:] += b
+            # ranges [i, k] with prev < i <= c and k >= c first read the value at op c
+            D[prev + 1, c] += b
+            D[c + 1, c] -= b
             prev = c
-    return C
+    return np.cumsum(np.cumsum(D, axis=0), axis=1)[:n, :n]
 
 
 def cluster_layers(seq: OpSequence, num_layers: int, delta: float = 0.5) -> Clustering:
