@@ -67,7 +67,7 @@ def op_flops(
 
 
 def spec_nbytes(spec: TensorSpec) -> int:
-    """Bytes of a value; extended dtypes jax-internal (PRNG keys, float0) count as 0."""
+    """Bytes of a value; extended dtypes that numpy cannot size (PRNG keys) count as 0."""
     try:
         return spec.nbytes
     except TypeError:
