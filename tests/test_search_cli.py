@@ -1,0 +1,41 @@
+"""`autopar tune`: shape parsing, bad input, and a tiny run that lands in the tuning DB."""
+import argparse
+
+import pytest
+
+from autopar.commands import tune as tune_cmd
+from search import Task
+from search.database import TuningDB
+
+
+def test_parse_task_maps_shapes_to_tasks():
+    assert tune_cmd.parse_task("matmul", "512,256,128", None) == Task.matmul(512, 256, 128)
+    assert tune_cmd.parse_task("dense", "8,16,4", "gelu") == Task.dense(8, 16, 4, "gelu")
+    assert tune_cmd.parse_task("dense", "8,16,4", None) == Task.dense(8, 16, 4, "relu")
+    assert tune_cmd.parse_task("conv2d", "1,8,8,3,4,3,3,2,1", None) == Task.conv2d(1, 8, 8, 3, 4, 3, 3, 2, 1)
+    with pytest.raises(ValueError, match="M,N,K"):
+        tune_cmd.parse_task("matmul", "512,512", None)
+    with pytest.raises(ValueError, match="integers"):
+        tune_cmd.parse_task("softmax", "a,b", None)
+    with pytest.raises(ValueError, match="epilogue"):
+        tune_cmd.parse_task("softmax", "4,4", "gelu")
+
+
+def _args(tmp_path, **kw):
+    p = argparse.ArgumentParser()
+    tune_cmd.add_arguments(p)
+    argv = ["--task", kw.get("task", "softmax"), "--shape", kw.get("shape", "4,16"), "--trials",
+            str(kw.get("trials", 4)), "--batch-size", "4", "--db", str(tmp_path / "db.sqlite")]
+    return p.parse_args(argv)
+
+
+def test_cli_run_tunes_and_stores_records(tmp_path, capsys):
+    assert tune_cmd.run(_args(tmp_path)) == 0
+    assert "GFLOP/s" in capsys.readouterr().out
+    with TuningDB(str(tmp_path / "db.sqlite")) as db:
+        assert len(db.records(Task.softmax(4, 16).workload_key)) == 4
+
+
+def test_cli_reports_bad_shapes_with_exit_code_2(tmp_path, capsys):
+    assert tune_cmd.run(_args(tmp_path, shape="4")) == 2
+    assert "softmax takes M,N" in capsys.readouterr().err
