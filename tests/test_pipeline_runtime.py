@@ -329,3 +329,38 @@ def test_plan_for_a_cluster_model_without_devices():
     assert d["predicted_step_s"] == pytest.approx(
         sum(c.micro_batch_s + c.iteration_s for c in plan.stage_costs)
         + 7 * max(c.micro_batch_s for c in plan.stage_costs))
+
+
+def test_intra_op_ilp_as_stage_cost():
+    """The intra-op ILP prices each candidate stage (forward + backward traced into an op
+    graph) once; the pipeline it chooses runs and matches one device."""
+    from autopar.cluster import Cluster
+    from autopar.pipeline.api import trace_step
+    from autopar.pipeline.ilp_cost import IntraOpStageCost
+
+    def loss(p, x):
+        h = jnp.tanh(x @ p["w1"])
+        h = mark_stage_boundary(h)
+        return jnp.mean((h @ p["w2"]) ** 2)
+
+    def step(p, x):
+        l, g = value_and_grad(loss)(p, x)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), l
+
+    p = {"w1": jnp.full((32, 32), 0.01), "w2": jnp.full((32, 16), 0.02)}
+    x = jnp.ones((8, 32))
+    method = PipeshardParallel(num_micro_batches=2)
+    traced = trace_step(step, (p, x), 2)
+    cost = IntraOpStageCost(traced.loss_jaxpr, traced.call.diff_leaf_mask, Cluster.preset("a100-80g", 1, 4))
+    ex = build_pipeshard(step, (p, x), method, devices=jax.devices()[:4], stage_cost_fn=cost,
+                         compiler_options=FAST)
+    # 3 layer ranges x ((1,1): 1 view, (1,2): 2 views, (1,4): 3 views)
+    assert len(cost.cache) == 3 * 6
+    cuts = ex.plan.layer_cuts
+    for (a, b), sub, lm, c in zip(ex.plan.stage_layers, ex.plan.submeshes, ex.plan.logical_meshes,
+                                  ex.plan.stage_costs):
+        assert c.micro_batch_s == cost.cache[((cuts[a], cuts[b]), sub, lm)][0]
+    new_p, l = ex(p, x)
+    ref_p, ref_l = jax.jit(step)(p, x)
+    _assert_close(l, ref_l)
+    _assert_close(new_p, ref_p)

@@ -96,7 +96,14 @@ def eval_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
+    from autopar.boundary import is_stage_boundary
+
     for eqn in eqns:
+        if is_stage_boundary(eqn):          # identity: pass the values through
+            for v, x in zip(eqn.outvars, map(read, eqn.invars)):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = x
+            continue
         params = eqn.primitive.get_bind_params(eqn.params)
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*map(read, eqn.invars), **params)
@@ -125,3 +132,36 @@ def stage_function(closed_jaxpr: Any, spec: StageSpec) -> Callable[..., tuple[An
         return tuple(env[v] for v in spec.out_acts)
 
     return fn
+
+
+def stage_train_function(closed_jaxpr: Any, eqn_range: tuple[int, int],
+                         diff_mask: Sequence[bool]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The forward + backward of one candidate stage (equations [start, end)) as a plain
+    function with abstract example arguments, for pricing it with another planner:
+    `fn(params, batch, acts_float, acts_int, cotangents) -> (outputs, (param grads,
+    activation grads))`; the arguments are `jax.ShapeDtypeStruct`s."""
+    import jax
+
+    jaxpr = closed_jaxpr.jaxpr
+    a, b = eqn_range
+    specs = split_loss(jaxpr, sorted({0, a, b, len(jaxpr.eqns)}), diff_mask)
+    spec = next(sp for sp in specs if sp.eqn_start == a)
+    fn = stage_function(closed_jaxpr, spec)
+    float_in = [is_float(v.aval) for v in spec.in_acts]
+    float_out = [is_float(v.aval) for v in spec.out_acts]
+
+    def train(params, batch, acts_float, acts_int, cts):
+        def f(p, af):
+            fl, it = iter(af), iter(acts_int)
+            acts = tuple(next(fl) if m else next(it) for m in float_in)
+            return tuple(o for o, m in zip(fn(p, batch, acts), float_out) if m)
+        outs, vjp_fn = jax.vjp(f, params, acts_float)
+        return outs, vjp_fn(cts)
+
+    sds = lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+    args = (tuple(sds(jaxpr.invars[i]) for i in spec.param_leaves),
+            tuple(sds(jaxpr.invars[i]) for i in spec.batch_leaves),
+            tuple(sds(v) for v, m in zip(spec.in_acts, float_in) if m),
+            tuple(sds(v) for v, m in zip(spec.in_acts, float_in) if not m),
+            tuple(sds(v) for v, m in zip(spec.out_acts, float_out) if m))
+    return train, args
