@@ -217,7 +217,7 @@ def _solve_highs(m: _Matrix, time_limit_s: float):
     integrality = np.zeros(nvar)
     integrality[: m.n_int] = 1
     res = milp(m.c, integrality=integrality, bounds=Bounds(0, 1), constraints=cons,
-               options={"time_limit": time_limit_s, "disp": False, "mip_rel_gap": 1e-6})
+               options={"time_limit": time_limit_s, "disp": False, "mip_rel_gap": 1e-7})
     if res.x is None:
         return None, "infeasible" if res.status == 2 else f"no solution ({res.message})"
     return res.x, "optimal" if res.status == 0 else "feasible (time limit)"
@@ -237,7 +237,7 @@ def _solve_cbc(m: _Matrix, time_limit_s: float):
         prob += pulp.LpAffineExpression([(xs[i], a) for i, a in terms]) == m.b_eq[r]
     for cols, vals, b in m.ub:
         prob += pulp.LpAffineExpression([(xs[i], float(a)) for i, a in zip(cols.tolist(), vals.tolist())]) <= b
-    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(np.ceil(time_limit_s)))))
+    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(np.ceil(time_limit_s))), gapRel=1e-7))
     name = pulp.LpStatus[status]
     if name == "Infeasible":
         return None, "infeasible"
@@ -257,6 +257,11 @@ def solve(problem: AssignmentProblem, time_limit_s: float = 30.0, solver: str = 
     """
     t0 = time.perf_counter()
     m, offsets = _build(problem)
+    # Costs are seconds (often 1e-9 .. 1e-3): rescale so that the solvers' absolute
+    # tolerances and gaps do not swallow differences between plans.
+    top = float(np.max(np.abs(m.c))) if len(m.c) else 0.0
+    if top > 0:
+        m.c = m.c * (1e6 / top)
     if solver == "highs":
         x, status = _solve_highs(m, time_limit_s)
     elif solver == "cbc":

@@ -126,6 +126,17 @@ def _strategies(op: Op, graph: OpGraph, mesh: LogicalMesh, time_limit_s: float, 
     return strats
 
 
+def live_ops(graph: OpGraph) -> set[int]:
+    """Ops whose results reach an output (XLA drops the rest, e.g. an unused loss value)."""
+    needed = set(graph.outvars)
+    live: set[int] = set()
+    for op in reversed(graph.ops):
+        if any(v in needed for v in op.outputs) or getattr(op.primitive, "effects", None):
+            live.add(op.index)
+            needed.update(op.inputs)
+    return live
+
+
 def _follows(op: Op, graph: OpGraph) -> bool:
     """Alpa merges every op that can take its main operand's layout: unary and binary
     elementwise ops (other operands reshard to it), converts, reshapes and the like."""
@@ -155,7 +166,10 @@ def _build_groups(graph: OpGraph, mesh: LogicalMesh, fixed: dict[int, DimShardin
         groups.append(_Group([_Choice(0.0, 0.0, 0.0, {v: lay}, [], {}, []) for lay in layouts]))
         group_of[v] = len(groups) - 1
 
+    live = live_ops(graph)
     for op in graph.ops:
+        if op.index not in live:
+            continue
         strats = _strategies(op, graph, mesh, time_limit_s, solver)
         if not strats:
             raise RuntimeError(f"no sharding strategy for op {op.index} ({op.name}) at {op.source}")
@@ -178,6 +192,8 @@ def _try_merge(op: Op, graph: OpGraph, strats: list[Strategy], groups: list[_Gro
     if pos is None:
         return False
     main = op.inputs[pos]
+    if graph.vars[main].size != graph.vars[op.outputs[0]].size:
+        return False  # a broadcast would inherit one layout of a smaller value: keep its own choice
     g = groups[group_of[main]]
     by_layout: dict[DimSharding, Strategy] = {}
     for s in strats:
