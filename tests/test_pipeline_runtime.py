@@ -364,3 +364,9 @@ def test_intra_op_ilp_as_stage_cost():
     ref_p, ref_l = jax.jit(step)(p, x)
     _assert_close(l, ref_l)
     _assert_close(new_p, ref_p)
+    # each stage's parameters are laid out as the ILP planned them for that stage
+    place = cost.param_sharding_fn_for(ex.plan)
+    for s, prog in enumerate(ex.stage_programs()):
+        got = [sh.spec for sh in jax.tree.leaves(prog["forward"].input_shardings[0][0])]
+        want = [place(s, leaf, None, None) for leaf in ex.specs[s].param_leaves]
+        assert got == want

@@ -288,7 +288,9 @@ def build_pipeshard(fun: Callable[..., Any], args: Sequence[Any], method: Pipesh
     compiler_options are passed to XLA for every stage program.
     param_sharding_fn(stage, leaf, aval, mesh) -> NamedSharding or PartitionSpec over the
     stage mesh's ("data", "model") axes places each parameter (the stage's intra-op plan);
-    default: replicated, with the batch split over the whole stage mesh (data parallel).
+    default: the stage cost's own layouts when it has `param_sharding_fn_for(plan)` (the
+    intra-op ILP adapter does), else replicated, with the batch split over the whole stage
+    mesh (data parallel).
     """
     _check_method(method)
     devices = list(jax.devices() if devices is None else devices)
@@ -306,4 +308,6 @@ def build_pipeshard(fun: Callable[..., Any], args: Sequence[Any], method: Pipesh
                                       compiler_options)
     plan = plan_pipeline(traced.loss_jaxpr.jaxpr, traced.call.diff_leaf_mask, method, hosts, dph,
                          device, stage_cost_fn)
+    if param_sharding_fn is None and hasattr(stage_cost_fn, "param_sharding_fn_for"):
+        param_sharding_fn = stage_cost_fn.param_sharding_fn_for(plan)   # e.g. the intra-op ILP's layouts
     return PipeshardExecutable(traced, method, devices, plan, compiler_options, param_sharding_fn)

@@ -19,15 +19,35 @@ class IntraOpStageCost:
         self.loss_jaxpr, self.diff_mask, self.cluster = loss_jaxpr, list(diff_mask), cluster
         self.memory_budget_bytes, self.time_limit_s, self.solver = memory_budget_bytes, time_limit_s, solver
         self.cache: dict[tuple, Any] = {}
+        self.param_layouts: dict[tuple, list[Any]] = {}   # key -> ILP DimSharding per stage param
 
     def __call__(self, eqn_range: tuple[int, int], submesh: tuple[int, int],
                  logical_mesh: tuple[int, int]) -> Any:
         key = (tuple(eqn_range), tuple(submesh), tuple(logical_mesh))
         if key not in self.cache:
-            self.cache[key] = self._solve(eqn_range, logical_mesh)
+            self.cache[key] = self._solve(key, eqn_range, logical_mesh)
         return self.cache[key]
 
-    def _solve(self, eqn_range, logical_mesh):
+    def param_sharding_fn_for(self, plan: Any):
+        """`param_sharding_fn` placing each stage's parameters as the ILP planned them
+        for the chosen (layer range, submesh, logical mesh)."""
+        from jax.sharding import PartitionSpec
+
+        from autopar.pipeline.split import split_loss
+
+        names = ("data", "model")
+        jaxpr = self.loss_jaxpr.jaxpr
+        specs = split_loss(jaxpr, plan.stage_eqn_cuts, self.diff_mask)
+        layouts = {}
+        for s, ((a, b), sub, lm) in enumerate(zip(plan.stage_layers, plan.submeshes, plan.logical_meshes)):
+            key = ((plan.layer_cuts[a], plan.layer_cuts[b]), tuple(sub), tuple(lm))
+            for leaf, dims in zip(specs[s].param_leaves, self.param_layouts.get(key, [])):
+                layouts[(s, leaf)] = PartitionSpec(*[
+                    None if not axes else (names[axes[0]] if len(axes) == 1 else tuple(names[x] for x in axes))
+                    for axes in dims])
+        return lambda stage, leaf, aval, mesh: layouts.get((stage, leaf), PartitionSpec())
+
+    def _solve(self, key, eqn_range, logical_mesh):
         from autopar.graph.trace import trace_graph
         from autopar.intra_op import MemoryBudgetError, plan_sharding
 
@@ -39,4 +59,6 @@ class IntraOpStageCost:
                                time_limit_s=self.time_limit_s, solver=self.solver)
         except MemoryBudgetError:
             return StageCost(math.inf)
+        num_params = len(args[0])
+        self.param_layouts[key] = [sp.var_specs.get(v, ()) for v in graph.invars[:num_params]]
         return (sp.objective_s, sp.peak_memory_bytes)
