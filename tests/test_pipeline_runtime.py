@@ -199,6 +199,10 @@ def test_clear_errors():
         build_pipeshard(make_step(opt), (state, batch), PipeshardParallel(num_micro_batches=4))
     with pytest.raises(ValueError, match="schedule"):
         PipeshardParallel(num_micro_batches=2, schedule="interleaved")
+    ex = build(make_step(opt, markers=True), (state, make_batch(jax.random.PRNGKey(0), MICRO * 2)),
+               PipeshardParallel(num_micro_batches=2, num_stages=2))
+    with pytest.raises(ValueError, match="plan again"):
+        ex(state, make_batch(jax.random.PRNGKey(0), MICRO * 4))
 
 
 def test_mark_stage_boundary_is_identity_outside_a_pipeline():

@@ -185,6 +185,10 @@ class PipeshardExecutable:
             raise ValueError("the arguments' pytree structure differs from the one this "
                              "pipeline was planned for; plan again for the new structure")
         jaxpr = self.traced.step_jaxpr.jaxpr
+        for k, (v, x) in enumerate(zip(jaxpr.invars, leaves)):
+            if tuple(np.shape(x)) != tuple(v.aval.shape):
+                raise ValueError(f"argument leaf {k} has shape {tuple(np.shape(x))} but this pipeline "
+                                 f"was planned for {tuple(v.aval.shape)}; plan again for the new shapes")
         env = dict(zip(jaxpr.invars, leaves))
         read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
         if self.pre is not None:
