@@ -53,11 +53,17 @@ def cpu_realized(colls) -> list[tuple[str, float, bool]]:
 
 def cpu_realizations(colls) -> list[list[tuple[str, float, bool]]]:
     """`cpu_realized`, or, for a reduce-scatter plus an all-reduce, the single all-reduce of
-    the reduce-scatter's input that XLA sometimes emits instead."""
+    the reduce-scatter's input that XLA sometimes emits instead, or one all-reduce of the
+    unscattered buffer per collective or per scattered axis (XLA CPU slices at the end)."""
     options = [cpu_realized(colls)]
     rs = [c for c in colls if c.kind == "reduce-scatter"]
-    if rs and any(c.kind == "all-reduce" for c in colls):
+    if rs and len(colls) > 1:
         options.append([("all-reduce", rs[0].nbytes, False)])
+    if any(len(c.axes) > 1 for c in rs):  # one all-reduce per scattered axis
+        options.append(sorted(x for c in colls for x in (
+            [("all-reduce", c.nbytes, False)] * len(c.axes) if c.kind == "reduce-scatter" else cpu_realized([c]))))
+    if rs and len(colls) > 1:  # every collective all-reduces the unscattered buffer, slicing at the end
+        options.append([("all-reduce", rs[0].nbytes, False)] * len(colls))
     return options
 
 
@@ -82,12 +88,6 @@ def compile_strategy(fn, args, strat, jmesh):
     return jitted, jitted.lower(*args).compile()
 
 
-def _two_axis_scatter_onto_two_dims(strat) -> bool:
-    rs = [c for c in strat.collectives if c.kind == "reduce-scatter"]
-    out = strat.out_specs[0]
-    return any(len(c.axes) == 2 and sum(1 for x in out if set(x) & set(c.axes)) == 2 for c in rs)
-
-
 DOT_CASES = {
     "matmul": (lambda a, b: a @ b, ((64, 32), (32, 48))),
     "batched_two_contracting": (lambda a, b: jnp.einsum("bmkl,bkln->bmn", a, b),
@@ -106,13 +106,12 @@ def test_dot_general_collectives_match_compiled_hlo_and_numerics(case, jmesh):
     assert kinds == {"all-reduce", "reduce-scatter"}
     expected = np.asarray(fn(*args))
     # every strategy without collectives, every one with them, capped to keep the test quick
-    sample = [s for s in strategies if not _two_axis_scatter_onto_two_dims(s)]
-    sample = sample[:: max(1, len(sample) // 10)]
+    sample = strategies[:: max(1, len(strategies) // 8)]
     assert any(s.collectives for s in sample) and any(not s.collectives for s in sample)
     for strat in sample:
         jitted, compiled = compile_strategy(fn, args, strat, jmesh)
         got = hlo_collectives(compiled.as_text())
-        assert same_collectives(cpu_realized(strat.collectives), got), (strat.name, got)
+        assert any(same_collectives(r, got) for r in cpu_realizations(strat.collectives)), (strat.name, got)
         np.testing.assert_allclose(np.asarray(jitted(*args)), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -322,13 +321,18 @@ def test_reduce_sum_split_reduced_dim_all_reduces_as_compiled(jmesh):
     fn = lambda a: a.sum(axis=(0, 2))  # noqa: E731
     graph = trace_graph(fn, x)
     strategies = enumerate_strategies(op_of(graph, "reduce_sum"), graph, MESH)
-    assert len(strategies) == len(_brute_layouts((16, 8, 12), MESH.shape))
+    assert {s.in_specs[0] for s in strategies} == _brute_layouts((16, 8, 12), MESH.shape)
     for strat in strategies:
-        split_reduced = sorted(a for d in (0, 2) for a in strat.in_specs[0][d])
-        assert [c.axes for c in strat.collectives] == ([tuple(split_reduced)] if split_reduced else [])
-    for strat in strategies[::3]:
+        (ins,), (out,) = strat.in_specs, strat.out_specs
+        split_reduced = {a for d in (0, 2) for a in ins[d]}
+        scattered = set(out[0]) - set(ins[1])
+        assert out[0][:len(ins[1])] == ins[1] and scattered <= split_reduced
+        assert {a for c in strat.collectives for a in c.axes} == split_reduced
+        assert {a for c in strat.collectives if c.kind == "reduce-scatter" for a in c.axes} == scattered
+    for strat in strategies[::7]:
         jitted, compiled = compile_strategy(fn, [x], strat, jmesh)
-        assert same_collectives(cpu_realized(strat.collectives), hlo_collectives(compiled.as_text())), strat.name
+        got = hlo_collectives(compiled.as_text())
+        assert any(same_collectives(r, got) for r in cpu_realizations(strat.collectives)), (strat.name, got)
         np.testing.assert_allclose(np.asarray(jitted(x)), np.asarray(fn(x)), rtol=1e-5, atol=1e-4)
 
 
@@ -419,7 +423,7 @@ def test_gather_scatter_conv_layouts_compile_and_match(case, jmesh):
     args = _random_args(graph, op, rng)
     single = lambda *a: _bind_all(op, a)  # noqa: E731
     expected = np.asarray(single(*args))
-    sample = strategies[:: max(1, len(strategies) // 6)]
+    sample = strategies[:: max(1, len(strategies) // 5)]
     matched = 0
     for strat in sample:
         jitted, compiled = compile_strategy(single, args, strat, jmesh)

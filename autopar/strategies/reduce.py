@@ -1,7 +1,8 @@
 """Reductions, scans along an axis, sorts and windowed reductions (pooling).
 
 Splitting a reduced dim of reduce_sum/max/min/prod/and/or/xor leaves one partial result
-per device, combined by an all-reduce over those mesh axes (result replicated there).
+per device, combined by an all-reduce over those mesh axes (result replicated there) or a
+reduce-scatter onto a kept dim (result split there).
 argmax/argmin reduce (value, index) pairs, which no single all-reduce combines, so their
 reduced dims stay whole (XLA would all-gather them anyway; the ILP sees that cost as
 resharding on the input edge). Cumulative ops, sort and top_k keep the scanned/sorted dim
@@ -12,9 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.graph.op_graph import Op, TensorSpec
-from autopar.sharding_spec import Collective, Strategy
-from autopar.strategies.layouts import (candidate_specs, follow_strategies, local_bytes,
-                                        make_strategy, mesh_shape_of)
+from autopar.sharding_spec import Strategy
+from autopar.strategies.layouts import (candidate_specs, follow_strategies, make_strategy,
+                                        mesh_shape_of)
+from autopar.strategies.roles import Role, role_strategies
 
 Ins = tuple[TensorSpec | None, ...]
 Outs = tuple[TensorSpec, ...]
@@ -35,18 +37,15 @@ def _flops(op: Op, ins: Ins) -> float:
 
 
 def reduce_strategies(op: Op, ins: Ins, outs: Outs, mesh: Any) -> list[Strategy]:
-    ms = mesh_shape_of(mesh)
+    """Kept dims split freely; a split reduced dim leaves partial results, all-reduced over
+    its axes or reduce-scattered onto a kept dim (e.g. ZeRO-style sharded bias gradients)."""
     operand, out = ins[0], outs[0]
-    axes_param = {d % operand.ndim for d in op.params["axes"]}
-    result = []
-    for spec in candidate_specs(operand.shape, ms):
-        out_spec = tuple(s for d, s in enumerate(spec) if d not in axes_param)
-        red = tuple(sorted(a for d in axes_param for a in spec[d]))
-        colls = [Collective("all-reduce", local_bytes(out, out_spec, ms), red)] if red else []
-        in_specs = [spec, *[None if t is None else tuple(() for _ in t.shape) for t in ins[1:]]]
-        result.append(make_strategy(mesh, ins, outs, in_specs, [out_spec] * len(outs), _flops(op, ins),
-                                    colls, dtype=operand.dtype))
-    return result
+    reduced = {d % operand.ndim for d in op.params["axes"]}
+    kept = [d for d in range(operand.ndim) if d not in reduced]
+    n_in = len(ins)
+    roles = [Role(((0, d), (n_in, kept.index(d))) if d in kept else ((0, d),), partial=d in reduced)
+             for d in range(operand.ndim)]
+    return role_strategies(mesh, ins, outs, roles, _flops(op, ins), dtype=operand.dtype)
 
 
 def arg_reduce_strategies(op: Op, ins: Ins, outs: Outs, mesh: Any) -> list[Strategy]:

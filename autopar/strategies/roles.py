@@ -87,8 +87,8 @@ def role_strategies(mesh: Any, ins: Sequence[TensorSpec | None], outs: Sequence[
 def partial_sum_collectives(outs: Sequence[TensorSpec], out_specs: Sequence[tuple],
                             groups: Sequence[tuple[Sequence[int], Sequence[int]]], ms) -> list[Collective]:
     """Collectives combining partial sums, one group per split reduction dim (XLA reduces
-    each split dim on its own): a reduce-scatter over the group's scattered axes, then an
-    all-reduce over its other axes. Buffers shrink as earlier groups scatter."""
+    each split dim on its own): first each group's reduce-scatter over its scattered axes,
+    then each group's all-reduce over its other axes, on the buffer shrunk by the scatters."""
     all_rs = {a for rs, _ in groups for a in rs}
     applied: set[int] = set()
     colls: list[Collective] = []
@@ -98,10 +98,11 @@ def partial_sum_collectives(outs: Sequence[TensorSpec], out_specs: Sequence[tupl
         return sum(local_bytes(o, tuple(tuple(a for a in x if a not in pending) for x in s), ms)
                    for o, s in zip(outs, out_specs))
 
-    for rs, ar in groups:
+    for rs, _ in groups:
         if rs:
             colls.append(Collective("reduce-scatter", nbytes(), tuple(sorted(rs))))
             applied.update(rs)
+    for _, ar in groups:
         if ar:
             colls.append(Collective("all-reduce", nbytes(), tuple(sorted(ar))))
     return colls
