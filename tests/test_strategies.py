@@ -554,6 +554,7 @@ def test_every_primitive_of_a_train_step_has_valid_strategies(model):
         ins = [None if v in graph.literals else graph.vars[v] for v in op.inputs]
         outs = [graph.vars[v] for v in op.outputs]
         assert any(all(not any(s) for s in st.out_specs) for st in strategies), op.name  # replicated kept
+        assert len({st.name for st in strategies}) == len(strategies), op.name  # names identify strategies
         for st in strategies:
             assert len(st.in_specs) == len(ins) and len(st.out_specs) == len(outs), (op.name, st.name)
             for t, spec in zip(ins, st.in_specs):
