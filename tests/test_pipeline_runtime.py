@@ -149,6 +149,7 @@ def test_each_stage_program_runs_only_on_its_submesh():
             assert used == want, (s, name)
             assert f"num_partitions={len(want)}" in compiled.as_text() or len(want) == 1
     assert ex.stages == [p["backward"] for p in ex.stage_programs()]
+    assert ex.as_text().count("// stage") == 3 * 4 and len(ex.memory_analysis()) == 4
 
 
 def test_adam_with_layer_clustering_matches_single_device():

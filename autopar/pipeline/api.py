@@ -163,6 +163,23 @@ class PipeshardExecutable:
         self.diff_pos = diff_pos
         self.last_run: PipelineRun | None = None
 
+    def compile(self, *args) -> "PipeshardExecutable":
+        """Make sure every stage program is compiled, by running one step on `args` and
+        discarding its result (the step is pure; costs one step of compute)."""
+        if any(p.backward.compiled is None for p in self.runtime.programs):
+            jax.block_until_ready(self(*args))
+        return self
+
+    def as_text(self) -> str:
+        """HLO of every compiled stage program."""
+        return "\n\n".join(f"// stage {s} {name}\n{c.as_text()}"
+                            for s, progs in enumerate(self.stage_programs())
+                            for name, c in progs.items() if c is not None)
+
+    def memory_analysis(self) -> list[Any]:
+        """`memory_analysis()` of each stage's backward program (holds the residuals)."""
+        return [c.memory_analysis() for c in self.stages]
+
     @property
     def stages(self) -> list[Any]:
         """One jax Compiled per stage (its backward program, which holds the vjp and the
