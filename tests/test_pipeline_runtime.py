@@ -375,3 +375,28 @@ def test_intra_op_ilp_as_stage_cost():
         got = [sh.spec for sh in jax.tree.leaves(prog["forward"].input_shardings[0][0])]
         want = [place(s, leaf, None, None) for leaf in ex.specs[s].param_leaves]
         assert got == want
+
+
+def test_inputs_outside_the_batch_go_whole_to_every_micro_batch():
+    """With batch_argnums, a loss input that does not come from the batch (a PRNG key for
+    dropout) is not split; the result matches one device."""
+    def loss(p, batch, key):
+        h = jnp.tanh(batch @ p["w1"])
+        keep = jax.random.bernoulli(key, 0.5, h.shape[1:])          # same mask for every row
+        h = mark_stage_boundary(jnp.where(keep, h, 0.0))
+        return jnp.mean((h @ p["w2"]) ** 2)
+
+    def step(p, batch, key):
+        l, g = value_and_grad(loss)(p, batch, key)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), l
+
+    p = {"w1": jnp.full((8, 8), 0.1), "w2": jnp.full((8, 4), 0.2)}
+    x = jnp.arange(32.0).reshape(4, 8) / 32
+    key = jax.random.PRNGKey(7)                                     # raw uint32[2]
+    ex = build_pipeshard(step, (p, x, key), PipeshardParallel(num_micro_batches=2, num_stages=2),
+                         devices=jax.devices()[:2], compiler_options=FAST, batch_argnums=(1,))
+    assert ex.traced.split_mask == (False, False, True, False)
+    new_p, l = ex(p, x, key)
+    ref_p, ref_l = jax.jit(step)(p, x, key)
+    _assert_close(l, ref_l)
+    _assert_close(new_p, ref_p)

@@ -37,11 +37,17 @@ class TracedStep:
     loss_jaxpr: Any          # ClosedJaxpr of loss_fn on one micro-batch
     in_tree: Any
     out_tree: Any
+    split_mask: tuple[bool, ...] = ()   # per loss input: split into micro-batches?
 
 
-def trace_step(fun: Callable[..., Any], args: Sequence[Any], num_micro_batches: int) -> TracedStep:
+def trace_step(fun: Callable[..., Any], args: Sequence[Any], num_micro_batches: int,
+               batch_argnums: Sequence[int] | None = None) -> TracedStep:
     """Trace `fun(*args)`; find its one `autopar.value_and_grad` call; trace that loss on
-    one micro-batch."""
+    one micro-batch.
+
+    The loss inputs that are split into micro-batches: its non-differentiated, non-scalar
+    inputs, and with `batch_argnums` only those computed from the step's batch arguments
+    (others, e.g. a PRNG key or a mask, go whole to every micro-batch)."""
     leaves, in_tree = jax.tree_util.tree_flatten(tuple(args))
     out_tree_box = []
 
@@ -62,10 +68,25 @@ def trace_step(fun: Callable[..., Any], args: Sequence[Any], num_micro_batches: 
         call = calls[0]
     eqn = step_jaxpr.jaxpr.eqns[idx[0]]
     B = num_micro_batches
+    from_batch = None
+    if batch_argnums is not None:
+        from_batch = set()
+        offset = 0
+        for i, a in enumerate(args):
+            n = len(jax.tree_util.tree_leaves(a))
+            if i in batch_argnums:
+                from_batch.update(step_jaxpr.jaxpr.invars[offset:offset + n])
+            offset += n
+        for e in step_jaxpr.jaxpr.eqns[:idx[0]]:
+            if any(isinstance(v, jcore.Var) and v in from_batch for v in e.invars):
+                from_batch.update(e.outvars)
+    split_mask = tuple(not diff and v.aval.ndim > 0 and
+                       (from_batch is None or (isinstance(v, jcore.Var) and v in from_batch))
+                       for v, diff in zip(eqn.invars, call.diff_leaf_mask))
     avals = []
-    for v, diff in zip(eqn.invars, call.diff_leaf_mask):
+    for v, split in zip(eqn.invars, split_mask):
         a = v.aval
-        if not diff and a.ndim > 0:
+        if split:
             if a.shape[0] % B:
                 raise ValueError(f"a batch input of the loss has shape {a.shape}: its leading "
                                  f"dimension is not divisible by num_micro_batches={B}")
@@ -75,7 +96,7 @@ def trace_step(fun: Callable[..., Any], args: Sequence[Any], num_micro_batches: 
         avals.append(a)
     loss_jaxpr = jax.make_jaxpr(
         lambda *l: call.loss_fn(*jax.tree_util.tree_unflatten(call.args_tree, l)))(*avals)
-    return TracedStep(step_jaxpr, idx[0], call, loss_jaxpr, in_tree, out_tree_box[-1])
+    return TracedStep(step_jaxpr, idx[0], call, loss_jaxpr, in_tree, out_tree_box[-1], split_mask)
 
 
 def default_device_model(devices: Sequence[Any], devices_per_host: int) -> DeviceModel:
@@ -212,7 +233,8 @@ class PipeshardExecutable:
             ins = [jax.device_put(read(v), replicated(self.home)) for v in self.pre.prog.invars]
             env.update(zip(self.pre.prog.outvars, self.pre(*ins)))
         g = jaxpr.eqns[self.traced.grad_eqn_index]
-        run = self.runtime.run([read(v) for v in g.invars], self.traced.call.diff_leaf_mask)
+        run = self.runtime.run([read(v) for v in g.invars], self.traced.call.diff_leaf_mask,
+                               self.traced.split_mask)
         self.last_run = run
         env[g.outvars[0]] = run.loss
         for v, i in zip(g.outvars[1:], self.diff_pos):
@@ -282,14 +304,15 @@ def _check_method(method: Any) -> None:
 
 
 def plan_pipeshard(fun: Callable[..., Any], args: Sequence[Any], method: PipeshardParallel,
-                   cluster: Any, stage_cost_fn: Callable | None = None) -> PipelinePlan:
+                   cluster: Any, stage_cost_fn: Callable | None = None,
+                   batch_argnums: Sequence[int] | None = None) -> PipelinePlan:
     """Plan without running, for a cluster that need not exist here (`args` may be
     `jax.ShapeDtypeStruct`s). Serialise with `plan_to_dict`."""
     _check_method(method)
     if method.profile:
         raise ValueError("profile=True measures stages on this machine's devices; it cannot "
                          "plan for a cluster model")
-    traced = trace_step(fun, args, method.num_micro_batches)
+    traced = trace_step(fun, args, method.num_micro_batches, batch_argnums)
     hosts, dph = _hosts(cluster.num_devices, method, cluster.devices_per_host)
     return plan_pipeline(traced.loss_jaxpr.jaxpr, traced.call.diff_leaf_mask, method, hosts, dph,
                          device_model_from_cluster(cluster), stage_cost_fn)
@@ -299,7 +322,8 @@ def build_pipeshard(fun: Callable[..., Any], args: Sequence[Any], method: Pipesh
                     devices: Sequence[Any] | None = None, stage_cost_fn: Callable | None = None,
                     device_model: DeviceModel | None = None,
                     compiler_options: dict | None = None, tuning_db: Any = None,
-                    param_sharding_fn: Callable | None = None) -> PipeshardExecutable:
+                    param_sharding_fn: Callable | None = None,
+                    batch_argnums: Sequence[int] | None = None) -> PipeshardExecutable:
     """Trace, plan and build a pipeline for `fun(*args)`.
 
     stage_cost_fn(layer_range, submesh_shape, logical_mesh_shape) -> StageCost or
@@ -307,6 +331,8 @@ def build_pipeshard(fun: Callable[..., Any], args: Sequence[Any], method: Pipesh
     micro-batch loss jaxpr (`trace_step(...).loss_jaxpr`); default: roofline estimate,
     or with `method.profile` measurements on `devices` cached in `tuning_db`.
     compiler_options are passed to XLA for every stage program.
+    batch_argnums: the step arguments holding the batch (see `trace_step`); None splits
+    every non-scalar, non-differentiated loss input.
     param_sharding_fn(stage, leaf, aval, mesh) -> NamedSharding or PartitionSpec over the
     stage mesh's ("data", "model") axes places each parameter (the stage's intra-op plan);
     default: the stage cost's own layouts when it has `param_sharding_fn_for(plan)` (the
@@ -315,7 +341,7 @@ def build_pipeshard(fun: Callable[..., Any], args: Sequence[Any], method: Pipesh
     """
     _check_method(method)
     devices = list(jax.devices() if devices is None else devices)
-    traced = trace_step(fun, args, method.num_micro_batches)
+    traced = trace_step(fun, args, method.num_micro_batches, batch_argnums)
     per_process = sum(d.process_index == devices[0].process_index for d in devices)
     hosts, dph = _hosts(len(devices), method, per_process)
     device = device_model or default_device_model(devices, dph)

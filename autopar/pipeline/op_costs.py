@@ -16,7 +16,11 @@ def aval_bytes(aval: Any) -> int:
     shape = getattr(aval, "shape", None)
     if shape is None:
         return 0
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    try:
+        itemsize = np.dtype(aval.dtype).itemsize
+    except TypeError:                       # extended dtypes, e.g. PRNG keys
+        itemsize = getattr(aval.dtype, "itemsize", 8)
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
 
 
 def _size(aval: Any) -> int:

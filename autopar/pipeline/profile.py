@@ -23,8 +23,11 @@ from autopar.pipeline.stage_cost import StageCost
 PROFILE_KIND = "stage"
 
 
-def _example(aval: Any) -> np.ndarray:
-    """A harmless input value: small floats, zero indices."""
+def _example(aval: Any) -> Any:
+    """A harmless input value: small floats, zero indices, PRNG keys from seed 0."""
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        n = int(np.prod(aval.shape, dtype=np.int64))
+        return jax.random.split(jax.random.key(0), max(n, 1))[:n].reshape(aval.shape)
     if np.issubdtype(np.dtype(aval.dtype), np.floating):
         return np.full(aval.shape, 0.01, aval.dtype)
     return np.zeros(aval.shape, aval.dtype)

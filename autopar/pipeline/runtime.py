@@ -187,16 +187,20 @@ class PipelineRuntime:
         sh = self.param_sharding_fn(stage, leaf, self.closed_jaxpr.jaxpr.invars[leaf].aval, mesh)
         return sh if isinstance(sh, NamedSharding) else NamedSharding(mesh, sh)
 
-    def run(self, leaves: Sequence[Any], diff_mask: Sequence[bool]) -> PipelineRun:
+    def run(self, leaves: Sequence[Any], diff_mask: Sequence[bool],
+            split_mask: Sequence[bool] | None = None) -> PipelineRun:
         """Pipelined loss and gradients. `leaves` are the loss's flattened arguments at full
-        batch size; non-differentiated leaves are split along axis 0 into micro-batches."""
+        batch size; non-differentiated leaves are split along axis 0 into micro-batches
+        (only those marked in `split_mask` when given; the rest go whole to each)."""
         B = self.num_micro_batches
         jaxpr = self.closed_jaxpr.jaxpr
+        if split_mask is None:
+            split_mask = [not d and np.ndim(x) > 0 for x, d in zip(leaves, diff_mask)]
         micro = {}
         for i, (x, d) in enumerate(zip(leaves, diff_mask)):
             if d:
                 continue
-            if np.ndim(x) == 0:
+            if not split_mask[i]:
                 micro[i] = [x] * B
                 continue
             if np.shape(x)[0] % B:

@@ -33,7 +33,9 @@ class StageSpec:
 
 def is_float(aval: Any) -> bool:
     """Whether a value can carry a gradient."""
-    return np.issubdtype(np.dtype(aval.dtype), np.floating)
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(aval.dtype, jnp.floating))
 
 
 def boundaries_from_stage_of_eqn(stage_of_eqn: Sequence[int]) -> list[int]:
