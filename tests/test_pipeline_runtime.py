@@ -400,3 +400,22 @@ def test_inputs_outside_the_batch_go_whole_to_every_micro_batch():
     ref_p, ref_l = jax.jit(step)(p, x, key)
     _assert_close(l, ref_l)
     _assert_close(new_p, ref_p)
+
+
+def test_given_submeshes_are_used_in_order():
+    from autopar.cluster import Cluster
+    from autopar.pipeline.api import plan_pipeshard
+
+    opt = optax.sgd(0.1)
+    state = jax.eval_shape(lambda: init_state(opt))
+    batch = jax.eval_shape(lambda: make_batch(jax.random.PRNGKey(0), 16))
+    cluster = Cluster.parse("1x8:a100-80g")
+    subs = [(1, 2), (1, 4), (1, 2)]
+    plan = plan_pipeshard(make_step(opt, markers=True), (state, batch),
+                          PipeshardParallel(num_micro_batches=4, submeshes=subs), cluster)
+    assert list(plan.submeshes) == subs
+    assert [len(ids) for ids in plan.device_ids] == [2, 4, 2]
+    assert sorted(i for ids in plan.device_ids for i in ids) == list(range(8))
+    with pytest.raises(ValueError, match="use 6 devices"):
+        plan_pipeshard(make_step(opt, markers=True), (state, batch),
+                       PipeshardParallel(num_micro_batches=4, submeshes=[(1, 2), (1, 4)]), cluster)

@@ -143,6 +143,10 @@ def plan_layers(layers: Sequence[LayerProfile], method: PipeshardParallel, num_h
     if method.submeshes != "auto":
         fixed = list(method.submeshes)
         S = len(fixed)
+        used = sum(n * m for n, m in fixed)
+        if used != N:
+            raise ValueError(f"submeshes {fixed} use {used} devices but there are {N} "
+                             f"({num_hosts} x {devices_per_host}); give shapes that cover all devices")
         if S > L:
             raise ValueError(f"{S} submeshes given but the loss has only {L} layers; "
                              "add mark_stage_boundary() markers or raise `layers`")
