@@ -564,3 +564,16 @@ def test_every_primitive_of_a_train_step_has_valid_strategies(model):
                 assert is_valid(t.shape, spec, MESH.shape), (op.name, t.shape, spec)
             assert st.compute_s >= 0 and st.comm_s >= 0 and np.isfinite(st.compute_s + st.comm_s)
     assert all(len(s) > 4 for op, s in per_op if op.name == "dot_general")
+
+
+def test_a_rule_that_cannot_read_its_params_falls_back_to_replicated_with_a_warning():
+    from jax import lax
+
+    vars_ = {0: TensorSpec((8, 4), "float32"), 1: TensorSpec((4, 8), "float32")}
+    op = Op(0, "transpose", lax.transpose_p, (0,), (1,), {"permutation_typo": (1, 0)})
+    graph = OpGraph(vars=vars_, ops=[op], invars=[0], outvars=[1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategies = enumerate_strategies(op, graph, MESH)
+    assert [s.out_specs for s in strategies] == [(((), ()),)]
+    assert any("sharding rule for primitive 'transpose' failed" in str(w.message) for w in caught)

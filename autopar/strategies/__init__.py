@@ -87,10 +87,16 @@ def _enumerate(op: Op, ins: tuple[TensorSpec | None, ...], outs: tuple[TensorSpe
         return [replicated_strategy(mesh, ins, outs, float(op.flops))]
     try:
         strategies = rule(op, ins, outs, mesh)
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise ValueError(
-            f"autopar: cannot enumerate strategies for op {op.index} '{op.name}' with operand shapes "
-            f"{[None if t is None else t.shape for t in ins]} and params {sorted(op.params)}: {e}") from e
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        # an op form the rule does not know (unusual params): plan it replicated, say so once
+        key = f"{op.name}:{type(e).__name__}"
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(
+                f"autopar: sharding rule for primitive '{op.name}' failed on operand shapes "
+                f"{[None if t is None else t.shape for t in ins]} ({type(e).__name__}: {e}); "
+                f"it is planned replicated", stacklevel=3)
+        return [replicated_strategy(mesh, ins, outs, float(op.flops))]
     if not any(all(not s or not any(s) for s in st.out_specs) and
                all(s is None or not any(s) for s in st.in_specs) for st in strategies):
         strategies = [replicated_strategy(mesh, ins, outs, float(op.flops)), *strategies]
