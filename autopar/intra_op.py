@@ -335,7 +335,8 @@ def _signature(op: Op, graph: OpGraph) -> tuple:
 
 def _layer_ties(graph: OpGraph, groups: list[_Group], group_of: dict[int, int]) -> tuple[int, ...] | None:
     """Tie each node of a repeated layer to its copy in the first layer (see `repeats`)."""
-    rep_op = representatives(len(graph.ops), tandem_repeats([_signature(op, graph) for op in graph.ops]))
+    sigs = [_signature(op, graph) for op in graph.ops]
+    rep_op = representatives(len(graph.ops), tandem_repeats(sigs))
     if all(r == i for i, r in enumerate(rep_op)):
         return None
     root_group = {g.ops[0]: gid for gid, g in enumerate(groups) if g.ops}
@@ -352,7 +353,7 @@ def _layer_ties(graph: OpGraph, groups: list[_Group], group_of: dict[int, int]) 
         if hid is None or tie[hid] != hid:
             continue
         h = groups[hid]
-        if len(h.ops) != len(g.ops) or any(rep_op[a] != b for a, b in zip(g.ops, h.ops)):
+        if len(h.ops) != len(g.ops) or any(sigs[a] != sigs[b] for a, b in zip(g.ops, h.ops)):
             continue
         g_vars = [v for i in g.ops for v in graph.ops[i].outputs]
         h_vars = [v for i in h.ops for v in graph.ops[i].outputs]

@@ -10,6 +10,7 @@ import jax
 from autopar.cluster import Cluster, LogicalMesh
 from autopar.graph.op_graph import OpGraph
 from autopar.intra_op import MemoryBudgetError, ShardingPlan, plan_sharding
+from autopar.methods import ShardParallel
 from autopar.plan import StagePlan, TensorPlan
 from autopar.sharding_spec import AXIS_NAMES, DimSharding
 
@@ -66,8 +67,15 @@ def plan_single_stage(graph: OpGraph, cluster: Cluster, method: Any, infos: list
     n = num_devices or cluster.num_devices
     best: tuple[ShardingPlan, LogicalMesh] | None = None
     errors: list[MemoryBudgetError] = []
+    solved: set = set()
     for shape in method.mesh_shapes(n):
         mesh = cluster.logical_mesh(shape)
+        # (b, a) with mirrored link costs is the same problem as (a, b) with the axes swapped
+        key = (tuple(shape), mesh.alpha_s, mesh.beta_s_per_byte)
+        mirror = ((shape[1], shape[0]), mesh.alpha_s[::-1], mesh.beta_s_per_byte[::-1])
+        if mirror in solved and isinstance(method, ShardParallel) and method.mesh_shape is None:
+            continue
+        solved.add(key)
         fixed: dict[int, DimSharding] = {}
         allowed: dict[int, list[DimSharding]] = {}
         for v, info in zip(graph.invars, infos):

@@ -7,10 +7,19 @@ a graph of its own, planned once.
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: str) -> int:
+    import jax.numpy as jnp  # bfloat16 is only known to numpy through ml_dtypes
+
+    return jnp.dtype(dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -22,13 +31,11 @@ class TensorSpec:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:
-        import jax.numpy as jnp  # bfloat16 is only known to numpy through ml_dtypes
-
-        return jnp.dtype(self.dtype).itemsize
+        return _itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
