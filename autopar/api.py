@@ -17,7 +17,10 @@ from autopar.graph.trace import trace_graph
 from autopar.intra_op import ShardingPlan
 from autopar.lower import build_mesh, sharded_function
 from autopar.methods import resolve_method
-from autopar.plan import Plan, PlanFileError
+from autopar.pipeline import PipeshardParallel
+from autopar.pipeline.api import build_pipeshard, plan_pipeshard, plan_to_dict
+from autopar.plan import Plan, PlanFileError, StagePlan
+from search.database import TuningDB
 from autopar.planner import input_infos, plan_single_stage, stage_plan, state_ties
 from autopar.sharding_spec import AXIS_NAMES
 
@@ -69,6 +72,15 @@ class LoweredStep:
         return CompiledStep([l.compile() for l in self.lowered])
 
 
+class _LoweredPipeline:
+    def __init__(self, exe, args):
+        self.exe, self.args = exe, args
+
+    def compile(self) -> CompiledStep:
+        self.exe.compile(*self.args)
+        return CompiledStep(list(self.exe.stages))
+
+
 class Parallelized:
     """A train step planned and run by autopar; call it like the original function."""
 
@@ -101,6 +113,10 @@ class Parallelized:
         if entry is not None:
             return entry
         devices = self._devices()
+        if isinstance(self.method, PipeshardParallel):
+            entry = self._pipeshard_entry(args, kwargs, sig, devices)
+            self._cache[sig] = entry
+            return entry
         if self.fixed_plan is not None:
             if self.fixed_plan.signature != sig:
                 raise PlanFileError("the saved plan was made for inputs with a different signature:\n"
@@ -120,17 +136,41 @@ class Parallelized:
         self._cache[sig] = entry
         return entry
 
+    def _pipeshard_entry(self, args: tuple, kwargs: dict, sig: str, devices: list) -> _Entry:
+        if kwargs:
+            raise TypeError("PipeshardParallel steps take positional arguments only")
+        t0 = time.perf_counter()
+        db = TuningDB(self.tuning_db) if self.method.profile else None
+        exe = build_pipeshard(self.fun, args, self.method, devices, batch_argnums=self.batch_argnums, tuning_db=db)
+        d = exe.plan_dict()
+        cluster = Cluster.from_devices(devices)
+        stages = tuple(StagePlan(tuple(st["logical_mesh"]), ("data", "model"), tuple(st["device_ids"]), (), (),
+                                 predicted_time_s=st["predicted_iteration_s"], memory_bytes=st["predicted_memory_bytes"],
+                                 layer_range=tuple(st["layers"]))
+                       for st in d["stages"])
+        plan = Plan(method=f"pipeshard({self.method.schedule}, B={self.method.num_micro_batches})", signature=sig,
+                    cluster=cluster.to_json(), stages=stages, memory_budget_bytes=self.memory_budget_bytes,
+                    num_micro_batches=self.method.num_micro_batches, schedule=self.method.schedule, pipeline=d,
+                    remat={"mode": self.remat, "applied": "none"}, planning_time_s=time.perf_counter() - t0)
+        return _Entry(None, plan, exe, ())
+
     def get_plan(self, *args, **kwargs) -> Plan:
         """Plan (or fetch the cached plan) without running."""
         return self._entry(args, kwargs).plan
 
     def lower(self, *args, **kwargs) -> LoweredStep:
         entry = self._entry(args, kwargs)
+        if entry.graph is None:  # a pipeline: its stage programs compile by running one step
+            return _LoweredPipeline(entry.jitted, args)
         flat = jax.tree_util.tree_leaves((args, kwargs))
         return LoweredStep([entry.jitted.lower(*flat)])
 
     def __call__(self, *args, **kwargs):
         entry = self._entry(args, kwargs)
+        if entry.graph is None:
+            out = entry.jitted(*args)
+            self.plan = entry.plan
+            return out
         flat = jax.tree_util.tree_leaves((args, kwargs))
         out = entry.jitted(*flat)
         self.plan = entry.plan
@@ -164,6 +204,17 @@ def make_plan(fun: Callable, *args, cluster: Cluster | str, method="auto", memor
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
     budget = parse_memory(memory_budget) if memory_budget is not None else None
+    method = resolve_method(method)
+    if isinstance(method, PipeshardParallel):
+        t0 = time.perf_counter()
+        d = plan_to_dict(plan_pipeshard(fun, args, method, cluster, batch_argnums=tuple(batch_argnums)))
+        stages = tuple(StagePlan(tuple(st["logical_mesh"]), ("data", "model"), tuple(st["device_ids"]), (), (),
+                                 predicted_time_s=st["predicted_iteration_s"], memory_bytes=st["predicted_memory_bytes"],
+                                 layer_range=tuple(st["layers"])) for st in d["stages"])
+        return Plan(method=f"pipeshard({method.schedule}, B={method.num_micro_batches})", signature=signature_of(args, kwargs),
+                    cluster=cluster.to_json(), stages=stages, memory_budget_bytes=budget,
+                    num_micro_batches=method.num_micro_batches, schedule=method.schedule, pipeline=d,
+                    planning_time_s=time.perf_counter() - t0)
     _, _, plan = _plan(fun, args, kwargs, cluster, resolve_method(method), memory_budget_bytes=budget,
                        batch_argnums=tuple(batch_argnums), device_ids=list(range(cluster.num_devices)))
     return plan
