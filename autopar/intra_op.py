@@ -408,19 +408,19 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
         var_specs.update(ch.out)
         op_strats.update(ch.names)
         colls.extend(ch.colls)
-    # XLA computes one reshard of a value per target layout however many ops read it, so the
-    # reported cost counts each (value, target layout) once; the ILP objective may count it
-    # once per consumer, a small overestimate for values with several consumers.
+    # XLA computes one reshard of a value per target layout however many ops read it, so
+    # the predicted collectives count each (value, target layout) once. The time keeps the
+    # ILP's objective, which charges every reading op (a small overestimate), so that plans
+    # are compared on the quantity the solver minimised.
     reshard_s = 0.0
     seen: set = set()
     for e, v, sl, dl in edges:
         a, b = sl[e.src_key[sol.choice[e.src]]], dl[e.dst_key[sol.choice[e.dst]]]
-        if (v, a, b) in seen:
-            continue
-        seen.add((v, a, b))
         t, cs = reshard(a, b, graph.vars[v])
         reshard_s += t
-        colls.extend(cs)
+        if (v, a, b) not in seen:
+            seen.add((v, a, b))
+            colls.extend(cs)
     out_specs = []
     for pos, v in enumerate(graph.outvars):
         if pos in tie_outputs:
