@@ -86,7 +86,7 @@ def main() -> None:
     args = ap.parse_args()
     cluster = autopar.Cluster.preset("a100-80g", 1, 8)
     rows = []
-    con = Console()
+    con = Console(width=170)
     for m in args.models.split(","):
         for meth in args.methods.split(","):
             row = run_one(m, meth, cluster, args.batch, args.seq, args.compile)
