@@ -170,6 +170,13 @@ def _build_groups(graph: OpGraph, mesh: LogicalMesh, fixed: dict[int, DimShardin
     for op in graph.ops:
         if op.index not in live:
             continue
+        if op.name == "optimization_barrier":  # identity per operand: each result takes its operand's layout
+            for v, w in zip(op.inputs, op.outputs):
+                gid = group_of[v]
+                for ch in groups[gid].choices:
+                    ch.out[w] = ch.out[v]
+                group_of[w] = gid
+            continue
         strats = _strategies(op, graph, mesh, time_limit_s, solver)
         if not strats:
             raise RuntimeError(f"no sharding strategy for op {op.index} ({op.name}) at {op.source}")

@@ -14,6 +14,8 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from jax._src.lax.lax import optimization_barrier_p
+
 from autopar.graph.flops import op_bytes, op_flops
 from autopar.graph.op_graph import Op, OpGraph, TensorSpec
 
@@ -143,6 +145,8 @@ class _Builder:
             inputs = [self.read(v) for v in eqn.invars]
             if name in INLINED and INLINED[name] in eqn.params:
                 inner, inner_consts = _open(eqn.params[INLINED[name]])
+                if name in ("remat2", "checkpoint") and eqn.params.get("prevent_cse", False):
+                    inputs = self._barrier(inputs)
                 for outer, vid in zip(eqn.outvars, self.emit(inner, inner_consts, inputs)):
                     if not isinstance(outer, jcore.DropVar):
                         self.env[outer] = vid  # the call's output is the body's output
@@ -150,6 +154,25 @@ class _Builder:
             outputs = [self.new_var(v) for v in eqn.outvars]
             self.ops.append(self._op(eqn, inputs, outputs))
         return [self.read(v) for v in jaxpr.outvars]
+
+    def _barrier(self, inputs: list[int]) -> list[int]:
+        """Keep a checkpointed region's recomputation from being merged with the forward
+        pass (what jax.checkpoint's prevent_cse does): route its inputs through one
+        optimization_barrier op, which the planner treats as per-operand identity."""
+        live = [i for i in inputs if i not in self.literals]
+        if not live:
+            return inputs
+        outs = []
+        for i in live:
+            vid = len(self.vars)
+            self.vars[vid] = self.vars[i]
+            outs.append(vid)
+        specs = [self.vars[i] for i in live]
+        self.ops.append(Op(index=len(self.ops), name="optimization_barrier", primitive=optimization_barrier_p,
+                           inputs=tuple(live), outputs=tuple(outs), params={}, flops=0.0,
+                           bytes_accessed=op_bytes(specs, specs), source=""))
+        renamed = dict(zip(live, outs))
+        return [renamed.get(i, i) for i in inputs]
 
     def _op(self, eqn: Any, inputs: list[int], outputs: list[int]) -> Op:
         name = eqn.primitive.name
