@@ -14,7 +14,7 @@ import numpy as np
 from autopar.cluster import Cluster, parse_memory
 from autopar.graph.op_graph import OpGraph
 from autopar.graph.trace import trace_graph
-from autopar.intra_op import ShardingPlan
+from autopar.intra_op import MemoryBudgetError, ShardingPlan
 from autopar.lower import build_mesh, sharded_function
 from autopar.methods import resolve_method
 from autopar.pipeline import PipeshardParallel
@@ -183,19 +183,98 @@ def _trace(fun: Callable, args: tuple, kwargs: dict) -> OpGraph:
 
 def _plan(fun, args, kwargs, cluster: Cluster, method, *, memory_budget_bytes, batch_argnums, device_ids, remat="none"):
     t0 = time.perf_counter()
-    graph = _trace(fun, args, kwargs)
     infos = input_infos(args, kwargs, batch_argnums)
-    ties = state_ties(graph, args, batch_argnums)
+    budget = memory_budget_bytes if memory_budget_bytes is not None else math.inf
+
+    def plan_once(graph, limit=budget, scope="peak"):
+        ties = state_ties(graph, args, batch_argnums)
+        splan, _ = plan_single_stage(graph, cluster, method, infos, num_devices=len(device_ids),
+                                     memory_budget_bytes=limit, tie_outputs=ties, memory_scope=scope)
+        return splan
+
+    graph = _trace(fun, args, kwargs)
+    remat_info: dict[str, Any] = {"mode": remat, "applied": "none"}
+    try:
+        splan = plan_once(graph)
+        needs_remat = remat == "full" or (remat == "auto" and memory_budget_bytes is not None and splan.peak_memory_bytes > budget)
+    except MemoryBudgetError as e:
+        if remat == "none":
+            raise
+        splan, needs_remat = None, e
+    if needs_remat:
+        graph, splan, remat_info = _plan_with_remat(fun, args, kwargs, graph, splan, needs_remat, infos, plan_once,
+                                                    remat, budget, cluster, method, device_ids)
+    elif remat == "auto":
+        remat_info["applied"] = "none (the plan fits the memory budget without it)"
     out_names = [f"out{jax.tree_util.keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(
         jax.tree_util.tree_unflatten(graph.out_tree, [0] * len(graph.outvars)))[0]]
-    budget = memory_budget_bytes if memory_budget_bytes is not None else math.inf
-    splan, _ = plan_single_stage(graph, cluster, method, infos, num_devices=len(device_ids),
-                                 memory_budget_bytes=budget, tie_outputs=ties)
     stage = stage_plan(graph, splan, infos, device_ids, out_names)
     plan = Plan(method=getattr(method, "name", type(method).__name__), signature=signature_of(args, kwargs),
                 cluster=cluster.to_json(), stages=(stage,), memory_budget_bytes=memory_budget_bytes,
-                remat={"mode": remat, "applied": "none"}, planning_time_s=time.perf_counter() - t0)
+                remat=remat_info, planning_time_s=time.perf_counter() - t0)
     return graph, splan, plan
+
+
+def _plan_with_remat(fun, args, kwargs, graph, splan, reason, infos, plan_once, remat, budget, cluster, method, device_ids):
+    """Re-trace the step with a rockmate schedule on the loss given to autopar.value_and_grad,
+    under the activation budget left per device after parameters and optimizer state."""
+    import rockmate
+
+    from autopar.pipeline.grad import transform_losses
+
+    if splan is None:  # nothing fitted: assume fully sharded arguments and batch, the best case
+        arg_bytes = sum(graph.vars[v].nbytes for v in graph.invars if v in graph.vars) / len(device_ids)
+        factor = len(device_ids)
+    else:
+        arg_bytes, factor = splan.argument_bytes, _batch_shards(graph, splan, infos)
+    used: list = []
+
+    def transform(loss_fn, loss_args):
+        example = jax.tree_util.tree_map(_abstract, loss_args)
+        floor = rockmate.min_budget(loss_fn, *example)
+        if remat == "full" or not math.isfinite(budget):
+            act_budget = floor
+        else:
+            act_budget = (budget - arg_bytes) * factor
+            if act_budget < floor:
+                raise MemoryBudgetError(budget, arg_bytes + floor / factor, tuple(splan.mesh_shape) if splan else (1, len(device_ids)))
+        rplan = rockmate.plan_remat(loss_fn, int(act_budget), *example)
+        used.append(rplan)
+        return rockmate.apply_plan(loss_fn, rplan)
+
+    with transform_losses(transform):
+        new_graph = _trace(fun, args, kwargs)
+    if not used:
+        import warnings
+
+        warnings.warn("autopar: remat needs the loss; compute gradients with autopar.value_and_grad / autopar.grad "
+                      "in the train step so that rockmate can reschedule it. Planning without remat.")
+        if splan is None:
+            raise reason
+        return graph, splan, {"mode": remat, "applied": "none (the step does not call autopar.value_and_grad)"}
+    # rockmate owns the activations now: the ILP places the arguments (with the old plan's
+    # argument footprint as their budget) and the memory estimate is arguments + remat temp.
+    new_splan = plan_once(new_graph, arg_bytes * 1.0001 + 1 if math.isfinite(budget) else budget, "arguments")
+    rp = used[0]
+    new_splan = replace(new_splan, peak_memory_bytes=new_splan.argument_bytes + rp.predicted_temp_bytes / factor)
+    info = {"mode": remat, "applied": "rockmate", "activation_budget_bytes": rp.budget_bytes,
+            "predicted_temp_bytes": rp.predicted_temp_bytes, "min_budget_bytes": rp.min_budget_bytes,
+            "predicted_fwd_bwd_s": rp.predicted_time_s, "blocks": len(rp.blocks),
+            "batch_shards": factor, "summary": rp.summary()}
+    return new_graph, new_splan, info
+
+
+def _batch_shards(graph: OpGraph, splan: ShardingPlan, infos) -> int:
+    """How many pieces the plan cuts the batch into (activations per device scale by 1/this)."""
+    best = 1
+    for v, info in zip(graph.invars, infos):
+        spec = splan.var_specs.get(v)
+        if info.is_batch and spec:
+            n = 1
+            for a in spec[0]:
+                n *= splan.mesh_shape[a]
+            best = max(best, n)
+    return best
 
 
 def make_plan(fun: Callable, *args, cluster: Cluster | str, method="auto", memory_budget=None,

@@ -320,14 +320,15 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
                   fixed_specs: dict[int, DimSharding] | None = None,
                   allowed_specs: dict[int, list[DimSharding]] | None = None,
                   tie_outputs: dict[int, int] | None = None, time_limit_s: float = 30.0,
-                  solver: str = "highs", tie_layers: bool = True) -> BuiltProblem:
+                  solver: str = "highs", tie_layers: bool = True, memory_scope: str = "peak") -> BuiltProblem:
     reshard = _ReshardCache(mesh)
     groups, group_of = _build_groups(graph, mesh, fixed_specs or {}, allowed_specs or {}, reshard, time_limit_s, solver)
     edges = _edges(graph, groups, group_of, reshard, tie_outputs or {})
     peak_rows, arg_rows = _memory_rows(graph, groups, group_of, mesh)
     tie = _layer_ties(graph, groups, group_of) if tie_layers else None
+    rows = peak_rows if memory_scope == "peak" else arg_rows   # "arguments": activations budgeted elsewhere (remat)
     problem = ilp.AssignmentProblem([np.array([c.cost_s for c in g.choices]) for g in groups],
-                                    [e for e, *_ in edges], peak_rows, memory_budget_bytes, tie)
+                                    [e for e, *_ in edges], rows, memory_budget_bytes, tie)
     return BuiltProblem(problem, groups, group_of, edges, reshard, arg_rows)
 
 
@@ -388,7 +389,8 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
                   fixed_specs: dict[int, DimSharding] | None = None,
                   allowed_specs: dict[int, list[DimSharding]] | None = None,
                   tie_outputs: dict[int, int] | None = None,
-                  time_limit_s: float = 30.0, solver: str = "highs", tie_layers: bool = True) -> ShardingPlan:
+                  time_limit_s: float = 30.0, solver: str = "highs", tie_layers: bool = True,
+                  memory_scope: str = "peak") -> ShardingPlan:
     """Solve the intra-op ILP for `graph` on `mesh`.
 
     fixed_specs / allowed_specs constrain the layouts of graph inputs (by var id);
@@ -399,7 +401,7 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
     tie_outputs = tie_outputs or {}
     built = build_problem(graph, mesh, memory_budget_bytes=memory_budget_bytes, fixed_specs=fixed_specs,
                           allowed_specs=allowed_specs, tie_outputs=tie_outputs, time_limit_s=time_limit_s, solver=solver,
-                          tie_layers=tie_layers)
+                          tie_layers=tie_layers, memory_scope=memory_scope)
     problem, groups, edges, reshard = built.problem, built.groups, built.edges, built.reshard
     try:
         sol = ilp.solve(problem, time_limit_s=time_limit_s, solver=solver)

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from autopar.pipeline.grad import value_and_grad
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -96,7 +98,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) 
     """step(state, batch) -> (new_state, loss) with state = (params, opt_state)."""
     def step(state, batch):
         params, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        # autopar's value_and_grad is jax's, but lets pipelines and remat find the loss
+        loss, grads = value_and_grad(loss_fn)(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
     return step

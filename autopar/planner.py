@@ -62,7 +62,7 @@ def state_ties(graph: OpGraph, args: tuple, batch_argnums: Sequence[int]) -> dic
 
 def plan_single_stage(graph: OpGraph, cluster: Cluster, method: Any, infos: list[InputInfo], *,
                       num_devices: int | None = None, memory_budget_bytes: float = math.inf,
-                      tie_outputs: dict[int, int] | None = None) -> tuple[ShardingPlan, LogicalMesh]:
+                      tie_outputs: dict[int, int] | None = None, memory_scope: str = "peak") -> tuple[ShardingPlan, LogicalMesh]:
     """Solve the ILP on every mesh shape the method allows; return the cheapest plan."""
     n = num_devices or cluster.num_devices
     best: tuple[ShardingPlan, LogicalMesh] | None = None
@@ -89,7 +89,8 @@ def plan_single_stage(graph: OpGraph, cluster: Cluster, method: Any, infos: list
         try:
             sp = plan_sharding(graph, mesh, memory_budget_bytes=memory_budget_bytes, fixed_specs=fixed,
                                allowed_specs=allowed, tie_outputs=tie_outputs,
-                               time_limit_s=getattr(method, "time_limit_s", 30.0), solver=getattr(method, "solver", "highs"))
+                               time_limit_s=getattr(method, "time_limit_s", 30.0), solver=getattr(method, "solver", "highs"),
+                               memory_scope=memory_scope)
         except MemoryBudgetError as e:
             errors.append(e)
             continue

@@ -51,6 +51,18 @@ def capture_grads() -> Iterator[list[GradCall]]:
         _state.calls = previous
 
 
+@contextlib.contextmanager
+def transform_losses(transform: Callable[[Callable, tuple], Callable]) -> Iterator[None]:
+    """While active, `value_and_grad(loss_fn)(*args)` differentiates `transform(loss_fn, args)`
+    instead (used by `parallelize(remat=...)` to put a rockmate schedule on the loss)."""
+    previous = getattr(_state, "loss_transform", None)
+    _state.loss_transform = transform
+    try:
+        yield
+    finally:
+        _state.loss_transform = previous
+
+
 def _abstract_eval(*avals, call_id: int):
     return list(_calls()[call_id].out_avals)
 
@@ -78,6 +90,9 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
     def wrapped(*args):
         calls = _calls()
         if calls is None:
+            transform = getattr(_state, "loss_transform", None)
+            if transform is not None:
+                return jax.value_and_grad(transform(fun, args), argnums=argnums, has_aux=has_aux)(*args)
             return jax_fn(*args)
         if has_aux:
             raise NotImplementedError(
