@@ -15,6 +15,7 @@ from typing import Protocol, Sequence
 from cost_model import XGBoostCostModel
 
 from .features import statement_features
+from .measure import best_run_s
 from .mutation import checked_program, crossover, mutate
 from .record import TuningRecord
 from .schedule import Step
@@ -89,12 +90,13 @@ class EvolutionarySearch:
         """Remember measurements, keep the best schedules, retrain the cost model on all data."""
         feats, lats = [], []
         for s, r in zip(schedules, records):
-            self.measured[schedule_key(s)] = r.latency_s
+            lat = best_run_s(r)
+            self.measured[schedule_key(s)] = lat
             if r.ok:
-                self.best.append((r.latency_s, s))
+                self.best.append((lat, s))
                 try:
                     feats.append(self.features(s))
-                    lats.append(r.latency_s)
+                    lats.append(lat)
                 except Exception:
                     continue
         self.best.sort(key=lambda x: x[0])

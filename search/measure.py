@@ -33,6 +33,13 @@ class MeasureOptions:
     num_threads: int | None = None    # OpenMP threads of the runner; None = all cores
 
 
+def best_run_s(record: TuningRecord) -> float:
+    """Fastest of a record's timed runs (+inf if it failed). The search ranks by this rather than
+    the median: on a shared machine OpenMP kernels lose whole scheduler ticks in some runs, so the
+    median of a few runs mostly measures the other jobs."""
+    return min(record.latencies_s) if record.ok else float("inf")
+
+
 class Runner:
     """A persistent runner process for one task; restarted after a crash or a timeout."""
 

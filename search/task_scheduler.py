@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .measure import MeasureOptions, ProgramMeasurer
+from .measure import MeasureOptions, ProgramMeasurer, best_run_s
 from .record import TuningRecord
 from .schedule import Step
 from .task import Task
@@ -93,8 +93,8 @@ def tune_tasks(tasks: Sequence[Task], trials: int, weights: Sequence[float] | No
             records[i] += recs
             used += len(recs)
             for r in recs:
-                if r.latency_s < best[i][0]:
-                    best[i] = (r.latency_s, r.schedule)
+                if best_run_s(r) < best[i][0]:
+                    best[i] = (best_run_s(r), r.schedule)
             curves[i].append(best[i][0])
             hist[i].append((len(records[i]), best[i][0], time.perf_counter() - t0))
             if callback is not None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from .backend import CBackend, call_kernel
 from .evolution import EvolutionarySearch, RandomSearch, SearchPolicy
-from .measure import MeasureOptions, ProgramMeasurer
+from .measure import MeasureOptions, ProgramMeasurer, best_run_s
 from .record import TuningRecord
 from .schedule import Step, replay
 from .task import Task
@@ -22,7 +22,8 @@ POLICIES = ("evolutionary", "random")
 
 @dataclass(frozen=True)
 class TuneResult:
-    """Outcome of one tuning run: the best schedule found (None if every trial failed)."""
+    """Outcome of one tuning run: the best schedule found (None if every trial failed) and its
+    latency, the fastest timed run of its record (see `measure.best_run_s`)."""
 
     task: Task
     best_schedule: list[Step] | None
@@ -41,7 +42,7 @@ class TuneResult:
 
     def best_after(self, trials: int) -> float:
         """Best latency among the first `trials` measurements."""
-        lat = [r.latency_s for r in self.records[:trials]]
+        lat = [best_run_s(r) for r in self.records[:trials]]
         return min(lat, default=float("inf"))
 
 
@@ -101,8 +102,8 @@ def tune(task: Task, target: str = "cpu", trials: int = 64, db: Any = None, poli
             pol.update(batch, recs)
             records += recs
             for r in recs:
-                if r.latency_s < best[0]:
-                    best = (r.latency_s, r.schedule)
+                if best_run_s(r) < best[0]:
+                    best = (best_run_s(r), r.schedule)
             history.append((len(records), best[0], time.perf_counter() - t0))
             if callback is not None:
                 callback(TuneResult(task, best[1], best[0], list(records), time.perf_counter() - t0, list(history)))
@@ -153,12 +154,12 @@ def build(task: Task, schedule: list[Step] | None, target: str = "cpu") -> Kerne
 
 
 def best_schedule(task: Task, db: Any = None, target: str = "cpu") -> list[Step] | None:
-    """The best measured schedule of `task` on this machine in the tuning DB, if any."""
+    """The measured schedule of `task` with the fastest run on this machine in the tuning DB, if any."""
     _check_target(target)
     database, owned = open_db(db)
     try:
-        rec = database.best(task.workload_key, CBackend().target_key())
+        recs = [r for r in database.records(task.workload_key, CBackend().target_key()) if r.ok]
     finally:
         if owned:
             database.close()
-    return None if rec is None else rec.schedule
+    return min(recs, key=best_run_s).schedule if recs else None
