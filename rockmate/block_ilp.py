@@ -64,7 +64,10 @@ def recompute_closure(g: BlockGraph, kept: frozenset[int]) -> frozenset[int]:
 def keep_all_option(g: BlockGraph) -> BlockOption:
     """Store every residual: no recomputation (what plain autodiff does)."""
     kept = frozenset(g.residuals)
-    return option_costs(g, kept, frozenset(), keep_all=True)
+    o = option_costs(g, kept, frozenset(), keep_all=True)
+    kept_bytes = sum(g.live_bytes[i] for i in kept) + g.autodiff_extra_bytes
+    return BlockOption(kept, frozenset(), o.fwd_time_s, o.bwd_time_s, kept_bytes,
+                       kept_bytes + g.fwd_ws_bytes, kept_bytes + g.bwd_ws_bytes, keep_all=True)
 
 
 def solve_block(g: BlockGraph, peak_limit_bytes: float | None,
@@ -85,6 +88,9 @@ def solve_block(g: BlockGraph, peak_limit_bytes: float | None,
     for i in range(n):
         for j in g.deps[i]:
             prob += rec[i] <= k(j) + rec[j]
+    for v, src in g.views:
+        if v in keep:
+            prob += keep[v] <= k(src)
     peak = (pulp.lpSum(g.sizes_bytes[i] * keep[i] for i in keep)
             + pulp.lpSum(g.live_bytes[i] * rec[i] for i in range(n)) + g.bwd_ws_bytes)
     if peak_limit_bytes is not None:
@@ -110,7 +116,9 @@ def solve_block(g: BlockGraph, peak_limit_bytes: float | None,
 def pareto_options(g: BlockGraph, levels: int = 5, time_limit_s: float = 5.0) -> tuple[BlockOption, ...]:
     """A few Pareto-optimal options (bwd time, kept bytes, peaks) across limits on the
     backward peak and on the bytes kept between forward and backward."""
-    full = keep_all_option(g)
+    # plain autodiff's residual memory is XLA's business (it fuses some away), so the
+    # no-recompute option keeps JAX's residuals by name, which costs exactly what it says
+    full = solve_block(g, None, time_limit_s) or keep_all_option(g)
     cands = [full]
     low = solve_block(g, None, time_limit_s, minimise_memory=True)
     if low is not None:

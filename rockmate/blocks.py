@@ -12,7 +12,7 @@ from typing import Mapping
 
 import numpy as np
 
-from .jax_graph import FlatOp, FlatProgram, Lit, aval_bytes, flatten, is_float
+from .jax_graph import FlatOp, FlatProgram, Lit, aval_bytes, eval_ops, flatten, is_float
 from .op_costs import is_heavy, op_cost
 
 
@@ -55,6 +55,8 @@ class BlockGraph:
     output_bytes: int
     fwd_ws_bytes: int  # transient working memory of the forward (beyond kept values)
     bwd_ws_bytes: int  # transient working memory of the backward (beyond kept/recomputed)
+    autodiff_extra_bytes: int = 0  # residuals plain autodiff saves that are not op results
+    views: tuple[tuple[int, int], ...] = ()  # (view node, source node): kept only with its source
 
 
 def _uses(program: FlatProgram) -> dict[int, list[int]]:
@@ -283,14 +285,73 @@ def block_graph(program: FlatProgram, start: int, stop: int,
             residuals.add(j)
         if cost.needs_inputs:
             residuals.update(d)
-    # a residual that XLA would otherwise fuse away still occupies memory when kept/recomputed
-    live = [sizes[j] if j in residuals else live[j] for j in range(len(ops))]
+    probed = autodiff_residuals(program, start, stop)
+    extra = 0
+    if probed is not None:
+        residuals, extra = set(probed[0]), probed[1]
+    # reshapes are bitcasts in XLA: keeping one costs nothing beyond its (kept) source
+    views = {}
+    for j, op in enumerate(ops):
+        if op.prim.name in _VIEWS and deps[j] and len(op.in_ids) == 1:
+            views[j] = deps[j][0]
+            sizes[j] = 0
+    # a residual XLA would otherwise fuse away still occupies memory when kept/recomputed,
+    # except broadcasts and scalar converts, which XLA re-fuses into their consumers
+    live = [sizes[j] if j in residuals and ops[j].prim.name not in _FREE else live[j]
+            for j in range(len(ops))]
     in_bytes = sum(aval_bytes(program.avals[v]) for v in ins if v not in program.consts)
     out_bytes = sum(aval_bytes(program.avals[v]) for v in outs)
     big = max(live, default=0)
     return BlockGraph(tuple(sizes), tuple(live), tuple(times), tuple(bwd), tuple(deps),
                       frozenset(residuals), frozenset(keepable), in_bytes, out_bytes,
-                      fwd_ws_bytes=big, bwd_ws_bytes=2 * big)
+                      fwd_ws_bytes=big, bwd_ws_bytes=2 * big, autodiff_extra_bytes=extra,
+                      views=tuple(sorted(views.items())))
+
+
+_VIEWS = {"reshape", "squeeze", "expand_dims"}
+_FREE = {"broadcast_in_dim", "iota", "convert_element_type", "reshape", "squeeze", "expand_dims"}
+
+
+def autodiff_residuals(program: FlatProgram, start: int, stop: int) -> tuple[frozenset[int], int] | None:
+    """Which ops' results JAX's own VJP of ops [start, stop) saves (local indices), and the
+    bytes of saved values that are not op results (linearization intermediates)."""
+    import jax
+
+    ins, outs = block_io(program, start, stop)
+    ins = tuple(v for v in ins if v not in program.consts)
+    if not outs:
+        return None
+    captured: dict = {}
+
+    def fn(*vals):
+        env = dict(zip(ins, vals))
+        eval_ops(program, start, stop, env)
+        captured.clear()
+        captured.update(env)
+        return tuple(env[o] for o in outs)
+
+    found: list = []
+
+    def probe(*vals):
+        out, vjp_fn = jax.vjp(fn, *vals)
+        by_id = {id(getattr(v, "primal", v)): vid for vid, v in captured.items()}
+        producer = {vid: j for j, op in enumerate(program.ops[start:stop]) for vid in op.out_ids}
+        res, extra = set(), 0
+        for leaf in jax.tree.leaves(vjp_fn):
+            vid = by_id.get(id(leaf))
+            if vid is not None and vid in producer:
+                res.add(producer[vid])
+            elif vid is None:
+                extra += int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
+        found.append((frozenset(res), extra))
+        return out
+
+    specs = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
+    try:
+        jax.make_jaxpr(probe)(*specs)
+    except Exception:  # non-differentiable blocks (e.g. integer-only): fall back to rules
+        return None
+    return found[0]
 
 
 def scan_body_program(op: FlatOp) -> FlatProgram:

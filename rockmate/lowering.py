@@ -20,7 +20,7 @@ from jax import lax
 
 from .block_ilp import BlockOption
 from .blocks import Block, Chain, block_io, scan_body_program
-from .jax_graph import FlatProgram, eval_ops, is_float, lookup
+from .jax_graph import FlatProgram, Lit, aval_bytes, eval_ops, is_float, lookup
 from .sequence_dp import Leaf, Schedule, Split
 
 _uid = itertools.count()
@@ -31,22 +31,65 @@ def _tie_to_cotangent(vals, ct):
     leaves = [c for c in jax.tree.leaves(ct) if hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.inexact)]
     if not leaves:
         return vals
-    zero = leaves[0].reshape(-1)[0] * 0
+    zero = jnp.sum(leaves[0]) * 0  # a full reduction: XLA cannot narrow it to a slice
 
     def tie(v):
-        if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.inexact) and v.ndim > 0:
+        if (hasattr(v, "dtype") and v.ndim > 0 and v.dtype != jnp.bool_
+                and jnp.issubdtype(v.dtype, jnp.number)):
             return v + zero.astype(v.dtype)
         return v
     return [tie(v) for v in vals]
 
 
-def recompute_region(fn: Callable, tie_mask: Sequence[bool], policy=None) -> Callable:
+def tie_choice(program: FlatProgram, start: int, stop: int, ins: Sequence[int]) -> list[bool]:
+    """Which region inputs to tie to the cotangent so every op that depends on an input is
+    recomputed after the cotangent: activations first, then program inputs, smallest first,
+    until each such op depends on a tied input."""
+    bit = {v: 1 << i for i, v in enumerate(ins)}
+    dep: dict[int, int] = dict(bit)
+    op_deps = []
+    for op in program.ops[start:stop]:
+        d = 0
+        for a in op.in_ids:
+            if not isinstance(a, Lit):
+                d |= dep.get(a, 0)
+        for o in op.out_ids:
+            dep[o] = d
+        if d:
+            op_deps.append(d)
+    invars = set(program.invars)
+    numeric = [i for i, v in enumerate(ins) if program.avals[v].dtype != jnp.bool_]
+    order = sorted(numeric, key=lambda i: (ins[i] in invars, aval_bytes(program.avals[ins[i]])))
+    tied = 0
+    for i in order:
+        if all(d & tied for d in op_deps):
+            break
+        if any(d & (1 << i) and not d & tied for d in op_deps):
+            tied |= 1 << i
+    return [bool(tied >> i & 1) for i in range(len(ins))]
+
+
+def _release_together(cts, act_mask):
+    """Make the activation cotangents depend on every parameter cotangent, so the parameter
+    gradients (and the residuals they read) are finished before earlier blocks start."""
+    params = [c for c, m in zip(cts, act_mask) if not m and hasattr(c, "dtype")
+              and jnp.issubdtype(c.dtype, jnp.inexact) and c.size > 0]
+    if not params:
+        return cts
+    zero = sum(jnp.sum(p) for p in params) * 0
+    return [c + zero.astype(c.dtype) if m and hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.inexact)
+            else c for c, m in zip(cts, act_mask)]
+
+
+def recompute_region(fn: Callable, tie_mask: Sequence[bool], policy=None,
+                     act_mask: Sequence[bool] | None = None) -> Callable:
     """`fn(*args)` whose backward recomputes it (saving only `policy` names) after the cotangent arrives.
 
     Arguments flagged in `tie_mask` (activations, not parameters) and the values the policy
     saves are tied to the cotangent before recomputation.
     """
-    ckpt = jax.checkpoint(fn, policy=policy) if policy is not None else jax.checkpoint(fn)
+    ckpt = jax.checkpoint(fn, policy=policy) if policy is not None else fn
+    act_mask = tie_mask if act_mask is None else act_mask
     meta: dict = {}  # static residual layout, recorded while tracing fwd
 
     @jax.custom_vjp
@@ -73,7 +116,7 @@ def recompute_region(fn: Callable, tie_mask: Sequence[bool], policy=None) -> Cal
             tied = iter(_tie_to_cotangent([l for l, p in zip(res, is_param) if not p], ct))
             leaves = [l if p else next(tied) for l, p in zip(res, is_param)]
             vjp_fn = jax.tree.unflatten(meta["tree"], leaves)
-        cts = vjp_fn(ct)
+        cts = _release_together(vjp_fn(ct), act_mask)
         return tuple(None if getattr(c, "dtype", None) == jax.dtypes.float0 else c for c in cts)
 
     region.defvjp(fwd, bwd)
@@ -99,10 +142,11 @@ def lower(program: FlatProgram, chain: Chain, options: Mapping[int, BlockOption]
         if not recompute:
             res = fn(*vals)
         else:
-            tie_mask = [v not in invar_set and is_float(program.avals[v]) for v in ins]
+            act_mask = [v not in invar_set and is_float(program.avals[v]) for v in ins]
+            tie_mask = tie_choice(program, start, stop, ins)
             policy = (jax.checkpoint_policies.save_only_these_names(*policy_names)
                       if policy_names is not None else None)
-            res = recompute_region(fn, tie_mask, policy)(*vals)
+            res = recompute_region(fn, tie_mask, policy, act_mask)(*vals)
         env.update(zip(outs, res))
 
     def run_block(b: int, env: dict) -> None:

@@ -2,6 +2,7 @@
 distinct block's ILP once, then the sequence DP under the budget."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -10,7 +11,8 @@ from typing import Any, Callable, Mapping
 
 import jax
 
-from .block_ilp import BlockOption, pareto_options
+from .block_ilp import BlockOption, pareto_front, pareto_options
+from .calibrate import measured_forward, measured_option, saved_bytes
 from .blocks import Chain, block_graph, find_chain, scan_body_program
 from .jax_graph import FlatProgram, aval_bytes, flatten
 from .plan import BlockChoice, InfeasibleBudgetError, RematPlan
@@ -54,7 +56,7 @@ def fingerprint(program: FlatProgram, chain: Chain) -> str:
 
 
 def analyze(f: Callable, args: tuple, profile: Mapping[str, float] | None = None,
-            ilp_time_limit_s: float = 5.0) -> Traced:
+            ilp_time_limit_s: float = 5.0, calibrate: bool = True) -> Traced:
     """Trace `f`, cut it into blocks and solve the block ILP once per distinct block."""
     program, in_tree, out_tree = trace(f, args)
     chain = find_chain(program)
@@ -62,7 +64,7 @@ def analyze(f: Callable, args: tuple, profile: Mapping[str, float] | None = None
     opts, cblocks = [], []
     for blk in chain.blocks:
         if blk.signature not in cache:
-            cache[blk.signature] = _block_options(program, blk, profile, ilp_time_limit_s)
+            cache[blk.signature] = _block_options(program, blk, profile, ilp_time_limit_s, calibrate)
         o, c = cache[blk.signature]
         opts.append(o)
         cblocks.append(c)
@@ -70,10 +72,34 @@ def analyze(f: Callable, args: tuple, profile: Mapping[str, float] | None = None
                   fingerprint(program, chain))
 
 
-def _block_options(program, blk, profile, time_limit_s):
+def _calibrated(g, program, start, stop):
+    """Replace the analytic forward working-memory guess with XLA's measured one."""
+    fwd = measured_forward(program, start, stop)
+    return g if fwd is None else dataclasses.replace(g, fwd_ws_bytes=fwd)
+
+
+def _measured_options(options, program, start, stop):
+    """Set each option's backward peak to the measured temp of the block lowered with it."""
+    out = []
+    for o in options:
+        if not o.keep_all:
+            kept = saved_bytes(program, start, stop, o.kept)
+            if kept is not None:
+                o = dataclasses.replace(o, kept_bytes=kept,
+                                        fwd_peak_bytes=o.fwd_peak_bytes - o.kept_bytes + kept)
+        m = measured_option(program, start, stop, None if o.keep_all else o.kept)
+        out.append(o if m is None else dataclasses.replace(o, bwd_peak_bytes=max(m, o.kept_bytes)))
+    return pareto_front(out)
+
+
+def _block_options(program, blk, profile, time_limit_s, calibrate=True):
     if not blk.is_scan:
         g = block_graph(program, blk.start, blk.stop, profile)
+        if calibrate:
+            g = _calibrated(g, program, blk.start, blk.stop)
         options = pareto_options(g, time_limit_s=time_limit_s)
+        if calibrate:
+            options = _measured_options(options, program, blk.start, blk.stop)
         cb = ChainBlock(tuple(ChainOption(o.fwd_time_s, o.bwd_time_s, o.kept_bytes, o.fwd_peak_bytes,
                                           o.bwd_peak_bytes) for o in options),
                         nr_time_s=sum(g.times_s), nr_peak=g.fwd_ws_bytes)
@@ -81,7 +107,11 @@ def _block_options(program, blk, profile, time_limit_s):
     op = program.ops[blk.start]
     body = scan_body_program(op)
     g = block_graph(body, 0, len(body.ops), profile)
+    if calibrate:
+        g = _calibrated(g, body, 0, len(body.ops))
     options = pareto_options(g, time_limit_s=time_limit_s)
+    if calibrate:
+        options = _measured_options(options, body, 0, len(body.ops))
     length = op.params["length"]
     nc, ncarry = op.params["num_consts"], op.params["num_carry"]
     carry_bytes = sum(aval_bytes(program.avals[a]) for a in op.in_ids[nc:nc + ncarry])

@@ -6,8 +6,10 @@ Seq(s..t) runs forward+backward of blocks s..t; its budget excludes slots s and 
 which its caller holds. Two moves (Beaumont et al., Rotor; Rockmate's option choice):
 
   Leaf(s, o): forward block s with option o (keeps kept_o), hold slot s+1, run Seq(s+1..t),
-              then block s's backward.      peak = max(fwd_o + a[s+1], bwd_o + a[s+1],
-                                                    kept_o + a[s+1] + peak(rest))
+              then block s's backward, during which the input's cotangent (a[s]) appears
+              while the input itself is still held.
+                                    peak = max(fwd_o + a[s+1], bwd_o + a[s+1] + a[s],
+                                               kept_o + a[s+1] + peak(rest))
   Split(k):   forward s..k-1 keeping nothing but slot k, run Seq(k..t), then recompute
               and differentiate Seq(s..k-1).  peak = max(fwd transients,
                                                     a[k] + peak(right), a[k] + peak(left))
@@ -66,11 +68,11 @@ def schedule_cost(blocks: Sequence[ChainBlock], a: Sequence[int], tree: Schedule
         o = blocks[s].options[tree.option]
         if tree.rest is None:
             assert s == t
-            return o.fwd_time_s + o.bwd_time_s, max(o.fwd_peak, o.bwd_peak)
+            return o.fwd_time_s + o.bwd_time_s, max(o.fwd_peak, o.bwd_peak + a[s])
         rt, rp = schedule_cost(blocks, a, tree.rest, s + 1, t)
         x = a[s + 1]
         return (o.fwd_time_s + o.bwd_time_s + rt,
-                max(o.fwd_peak + x, o.bwd_peak + x, o.kept + x + rp))
+                max(o.fwd_peak + x, o.bwd_peak + x + a[s], o.kept + x + rp))
     k = tree.at
     rt, rp = schedule_cost(blocks, a, tree.right, k, t)
     lt, lp = schedule_cost(blocks, a, tree.left, s, k - 1)
@@ -103,11 +105,11 @@ def solve_chain(blocks: Sequence[ChainBlock], a: Sequence[int], budget: int) -> 
             code = np.full(S, -(10 ** 6), dtype=np.int64)
             for oi, o in enumerate(blocks[s].options):
                 if s == t:
-                    cand = np.where(m >= max(o.fwd_peak, o.bwd_peak), o.fwd_time_s + o.bwd_time_s, np.inf)
+                    cand = np.where(m >= max(o.fwd_peak, o.bwd_peak + a[s]), o.fwd_time_s + o.bwd_time_s, np.inf)
                 else:
                     x = a[s + 1]
                     inner = _shift(C[(s + 1, t)], o.kept + x)
-                    cand = np.where(m >= max(o.fwd_peak, o.bwd_peak) + x,
+                    cand = np.where(m >= max(o.fwd_peak, o.bwd_peak + a[s]) + x,
                                     o.fwd_time_s + o.bwd_time_s + inner, np.inf)
                 better = cand < best
                 best = np.where(better, cand, best)
@@ -153,11 +155,11 @@ def min_peak(blocks: Sequence[ChainBlock], a: Sequence[int]) -> tuple[int, Sched
             best = None
             for oi, o in enumerate(blocks[s].options):
                 if s == t:
-                    v = (max(o.fwd_peak, o.bwd_peak), o.fwd_time_s + o.bwd_time_s, Leaf(s, oi, None))
+                    v = (max(o.fwd_peak, o.bwd_peak + a[s]), o.fwd_time_s + o.bwd_time_s, Leaf(s, oi, None))
                 else:
                     x = a[s + 1]
                     rp, rt, rtree = P[(s + 1, t)]
-                    v = (max(o.fwd_peak + x, o.bwd_peak + x, o.kept + x + rp),
+                    v = (max(o.fwd_peak + x, o.bwd_peak + x + a[s], o.kept + x + rp),
                          o.fwd_time_s + o.bwd_time_s + rt, Leaf(s, oi, rtree))
                 if best is None or v[:2] < best[:2]:
                     best = v

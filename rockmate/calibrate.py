@@ -1,0 +1,99 @@
+"""Measured memory of one block, from XLA's own buffer assignment.
+
+The analytic model knows which values a block keeps and recomputes, but not how much
+scratch XLA's fusions and schedule add around them. Compiling the block alone, lowered
+exactly as the schedule lowers it, and reading `memory_analysis().temp_size_in_bytes`
+gives its forward working memory and, per option, the peak of its forward+backward.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import jax
+
+from .blocks import block_io
+from .jax_graph import FlatProgram, eval_ops, is_float
+from .lowering import recompute_region, tie_choice
+
+
+def _block_fn(program: FlatProgram, start: int, stop: int, names=None):
+    ins, outs = block_io(program, start, stop)
+    ins = tuple(v for v in ins if v not in program.consts)
+
+    def fn(*vals):
+        env = dict(zip(ins, vals))
+        eval_ops(program, start, stop, env, names)
+        return tuple(env[o] for o in outs)
+    return fn, ins, outs
+
+
+def _spec(program: FlatProgram, v: int):
+    return jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype)
+
+
+def measured_forward(program: FlatProgram, start: int, stop: int) -> int | None:
+    """Temp bytes of the block's forward alone (inputs and outputs excluded)."""
+    fn, ins, outs = _block_fn(program, start, stop)
+    if not outs:
+        return None
+    try:
+        return int(jax.jit(fn).lower(*[_spec(program, v) for v in ins]).compile()
+                   .memory_analysis().temp_size_in_bytes)
+    except Exception:  # e.g. a block that cannot be compiled alone
+        return None
+
+
+def measured_option(program: FlatProgram, start: int, stop: int, kept: Iterable[int] | None) -> int | None:
+    """Temp bytes of the block's forward+backward lowered with `kept` (local op indices)
+    saved by name (None: plain autodiff). Inputs, output cotangents and input cotangents
+    are arguments/outputs, not temp."""
+    names = None if kept is None else {start + i: f"cal_{start + i}" for i in kept}
+    fn, ins, outs = _block_fn(program, start, stop, names)
+    if not outs or not ins:
+        return None
+    out_specs = [_spec(program, v) for v in outs]
+    float_out = [is_float(s) for s in out_specs]
+    if kept is None:
+        region = fn
+    else:
+        invars = set(program.invars)
+        act = [v not in invars and is_float(program.avals[v]) for v in ins]
+        policy = jax.checkpoint_policies.save_only_these_names(*names.values())
+        region = recompute_region(fn, tie_choice(program, start, stop, ins), policy, act)
+
+    def fwd_bwd(vals, cts):
+        _, vjp_fn = jax.vjp(region, *vals)
+        it = iter(cts)
+        full = tuple(next(it) if f else jax.numpy.zeros(s.shape, jax.dtypes.float0)
+                     for s, f in zip(out_specs, float_out))
+        return vjp_fn(full)
+
+    try:
+        cts = [s for s, f in zip(out_specs, float_out) if f]
+        compiled = jax.jit(fwd_bwd).lower([_spec(program, v) for v in ins], cts).compile()
+    except Exception:  # integer-only or otherwise non-differentiable block
+        return None
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def saved_bytes(program: FlatProgram, start: int, stop: int, kept: Iterable[int]) -> int | None:
+    """Bytes JAX actually saves between forward and backward when the block runs with
+    `kept` (local op indices) saved by name (block inputs excluded)."""
+    names = {start + i: f"cal_{start + i}" for i in kept}
+    fn, ins, outs = _block_fn(program, start, stop, names)
+    if not outs:
+        return None
+    policy = jax.checkpoint_policies.save_only_these_names(*names.values())
+    total = []
+
+    def probe(*vals):
+        _, vjp_fn = jax.vjp(jax.checkpoint(fn, policy=policy), *vals)
+        total.append(sum(int(l.size) * l.dtype.itemsize for l in jax.tree.leaves(vjp_fn)
+                         if not any(l is v for v in vals)))
+        return 0
+
+    try:
+        jax.make_jaxpr(probe)(*[_spec(program, v) for v in ins])
+    except Exception:  # non-differentiable block
+        return None
+    return total[0]
