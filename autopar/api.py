@@ -231,14 +231,14 @@ def _plan_with_remat(fun, args, kwargs, graph, splan, reason, infos, plan_once, 
 
     def transform(loss_fn, loss_args):
         example = jax.tree_util.tree_map(_abstract, loss_args)
-        floor = rockmate.min_budget(loss_fn, *example)
         if remat == "full" or not math.isfinite(budget):
-            act_budget = floor
+            rplan = rockmate.plan_remat(loss_fn, rockmate.min_budget(loss_fn, *example), *example)
         else:
-            act_budget = (budget - arg_bytes) * factor
-            if act_budget < floor:
-                raise MemoryBudgetError(budget, arg_bytes + floor / factor, tuple(splan.mesh_shape) if splan else (1, len(device_ids)))
-        rplan = rockmate.plan_remat(loss_fn, int(act_budget), *example)
+            try:
+                rplan = rockmate.plan_remat(loss_fn, int((budget - arg_bytes) * factor), *example)
+            except rockmate.InfeasibleBudgetError as e:
+                mesh_shape = tuple(splan.mesh_shape) if splan is not None else (1, len(device_ids))
+                raise MemoryBudgetError(budget, arg_bytes + e.min_budget_bytes / factor, mesh_shape) from None
         used.append(rplan)
         return rockmate.apply_plan(loss_fn, rplan)
 
