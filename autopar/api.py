@@ -142,16 +142,8 @@ class Parallelized:
         t0 = time.perf_counter()
         db = TuningDB(self.tuning_db) if self.method.profile else None
         exe = build_pipeshard(self.fun, args, self.method, devices, batch_argnums=self.batch_argnums, tuning_db=db)
-        d = exe.plan_dict()
-        cluster = Cluster.from_devices(devices)
-        stages = tuple(StagePlan(tuple(st["logical_mesh"]), ("data", "model"), tuple(st["device_ids"]), (), (),
-                                 predicted_time_s=st["predicted_iteration_s"], memory_bytes=st["predicted_memory_bytes"],
-                                 layer_range=tuple(st["layers"]))
-                       for st in d["stages"])
-        plan = Plan(method=f"pipeshard({self.method.schedule}, B={self.method.num_micro_batches})", signature=sig,
-                    cluster=cluster.to_json(), stages=stages, memory_budget_bytes=self.memory_budget_bytes,
-                    num_micro_batches=self.method.num_micro_batches, schedule=self.method.schedule, pipeline=d,
-                    remat={"mode": self.remat, "applied": "none"}, planning_time_s=time.perf_counter() - t0)
+        plan = _pipeline_plan(exe.plan_dict(), self.method, sig, Cluster.from_devices(devices), self.memory_budget_bytes,
+                              time.perf_counter() - t0)
         return _Entry(None, plan, exe, ())
 
     def get_plan(self, *args, **kwargs) -> Plan:
@@ -235,6 +227,8 @@ def _plan_with_remat(fun, args, kwargs, graph, splan, reason, infos, plan_once, 
             rplan = rockmate.plan_remat(loss_fn, rockmate.min_budget(loss_fn, *example), *example)
         else:
             try:
+                if budget <= arg_bytes:  # nothing left for activations
+                    raise rockmate.InfeasibleBudgetError(0, rockmate.min_budget(loss_fn, *example))
                 rplan = rockmate.plan_remat(loss_fn, int((budget - arg_bytes) * factor), *example)
             except rockmate.InfeasibleBudgetError as e:
                 mesh_shape = tuple(splan.mesh_shape) if splan is not None else (1, len(device_ids))
@@ -287,16 +281,21 @@ def make_plan(fun: Callable, *args, cluster: Cluster | str, method="auto", memor
     if isinstance(method, PipeshardParallel):
         t0 = time.perf_counter()
         d = plan_to_dict(plan_pipeshard(fun, args, method, cluster, batch_argnums=tuple(batch_argnums)))
-        stages = tuple(StagePlan(tuple(st["logical_mesh"]), ("data", "model"), tuple(st["device_ids"]), (), (),
-                                 predicted_time_s=st["predicted_iteration_s"], memory_bytes=st["predicted_memory_bytes"],
-                                 layer_range=tuple(st["layers"])) for st in d["stages"])
-        return Plan(method=f"pipeshard({method.schedule}, B={method.num_micro_batches})", signature=signature_of(args, kwargs),
-                    cluster=cluster.to_json(), stages=stages, memory_budget_bytes=budget,
-                    num_micro_batches=method.num_micro_batches, schedule=method.schedule, pipeline=d,
-                    planning_time_s=time.perf_counter() - t0)
+        return _pipeline_plan(d, method, signature_of(args, kwargs), cluster, budget, time.perf_counter() - t0)
     _, _, plan = _plan(fun, args, kwargs, cluster, resolve_method(method), memory_budget_bytes=budget,
                        batch_argnums=tuple(batch_argnums), device_ids=list(range(cluster.num_devices)))
     return plan
+
+
+def _pipeline_plan(d: dict, method: PipeshardParallel, sig: str, cluster: Cluster, budget, planning_s: float) -> Plan:
+    """A Plan whose stages are the pipeline's submeshes (their intra-op layouts live in `pipeline`)."""
+    stages = tuple(StagePlan(tuple(st["logical_mesh"]), ("data", "model"), tuple(st["device_ids"]), (), (),
+                             predicted_time_s=st["predicted_iteration_s"], memory_bytes=st["predicted_memory_bytes"],
+                             layer_range=tuple(st["layers"])) for st in d["stages"])
+    return Plan(method=f"pipeshard({method.schedule}, B={method.num_micro_batches})", signature=sig,
+                cluster=cluster.to_json(), stages=stages, memory_budget_bytes=budget,
+                num_micro_batches=method.num_micro_batches, schedule=method.schedule, pipeline=d,
+                remat={"mode": "none", "applied": "none (not yet inside pipeline stages)"}, planning_time_s=planning_s)
 
 
 def _flat_indices(args: tuple, argnums: Sequence[int]) -> tuple[int, ...]:

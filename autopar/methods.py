@@ -69,19 +69,14 @@ class DataParallel:
 
 
 @dataclass(frozen=True)
-class ZeRO3:
+class ZeRO3(DataParallel):
     """Fully sharded parameters and optimizer state (largest divisible dim over all devices)."""
 
     name = "zero3"
-    solver: str = "highs"
-    time_limit_s: float = 30.0
-
-    def mesh_shapes(self, n: int) -> list[tuple[int, int]]:
-        return [(1, n)]
 
     def input_layouts(self, shape, is_batch, mesh_shape, name):
         if is_batch:
-            return _batch_spec(shape, (1,), mesh_shape, name), None
+            return super().input_layouts(shape, is_batch, mesh_shape, name)
         n = mesh_shape[1]
         dims = sorted(range(len(shape)), key=lambda d: -shape[d])
         for d in dims:

@@ -15,7 +15,7 @@ def test_budget_below_replicated_footprint_is_met_by_the_compiled_program():
     step, state, batch = make("mlp", "adamw")
     replicated = _replicated_state_bytes(state)
     budget = replicated // 2
-    pstep = autopar.parallelize(step, method=autopar.ShardParallel(mesh_shape=(1, 8)), memory_budget=budget)
+    pstep = autopar.parallelize(step, method=autopar.ShardParallel(mesh_shape=(1, 8)), memory_budget=budget, remat="none")
     plan = pstep.get_plan(state, batch)
     assert plan.stages[0].memory_bytes <= budget
     mem = pstep.lower(state, batch).compile().memory_analysis()[0]
@@ -28,13 +28,14 @@ def test_budget_below_replicated_footprint_is_met_by_the_compiled_program():
 
 def test_impossible_budget_reports_the_smallest_budget_that_fits():
     step, state, batch = make("mlp", "adamw")
-    pstep = autopar.parallelize(step, method=autopar.ShardParallel(mesh_shape=(1, 8)), memory_budget="1KB")
+    pstep = autopar.parallelize(step, method=autopar.ShardParallel(mesh_shape=(1, 8)), memory_budget="1KB", remat="none")
     with pytest.raises(autopar.MemoryBudgetError) as err:
         pstep.get_plan(state, batch)
     minimum = err.value.min_bytes
     assert "smallest budget" in str(err.value) and minimum > 1000
     # ... and that budget does fit
-    ok = autopar.parallelize(step, method=autopar.ShardParallel(mesh_shape=(1, 8)), memory_budget=int(minimum * 1.001) + 1)
+    ok = autopar.parallelize(step, method=autopar.ShardParallel(mesh_shape=(1, 8)), memory_budget=int(minimum * 1.001) + 1,
+                             remat="none")
     assert ok.get_plan(state, batch).stages[0].memory_bytes <= minimum * 1.001 + 1
 
 
@@ -49,3 +50,13 @@ def test_bad_inputs_get_clear_errors():
         autopar.parallelize(step, method=autopar.Megatron(tp=3)).get_plan(state, batch)
     with pytest.raises(ValueError, match="unknown method"):
         autopar.parallelize(step, method="fastest")
+
+
+def test_impossible_budget_with_remat_names_the_minimum_too():
+    from autopar.model_zoo import GPTConfig, gpt_setup
+
+    step, state, batch = gpt_setup(GPTConfig(vocab=32, seq=8, hidden=16, heads=2, layers=1, batch=8))
+    pstep = autopar.parallelize(step, method=autopar.ShardParallel(mesh_shape=(1, 8)), memory_budget="1KB")
+    with pytest.raises(autopar.MemoryBudgetError, match="smallest budget") as err:
+        pstep.get_plan(state, batch)
+    assert err.value.min_bytes > 1000
