@@ -15,22 +15,41 @@ from .planner import fingerprint
 from .jax_graph import BLOCK_PREFIX
 
 
+_ANALYSES: dict = {}
+
+
+def _analysis(f, args, profile, ilp_time_limit_s=5.0, calibrate=True):
+    """analyze() memoised per function, argument shapes and profile (planning is costly)."""
+    leaves, tree = jax.tree.flatten(args)
+    key = (id(f), tree, tuple((getattr(l, "shape", None), str(getattr(l, "dtype", type(l)))) for l in leaves),
+           id(profile), ilp_time_limit_s, calibrate)
+    hit = _ANALYSES.get(key)
+    if hit is None or hit[0] is not f:
+        if len(_ANALYSES) > 16:
+            _ANALYSES.clear()
+        hit = (f, analyze(f, args, profile, ilp_time_limit_s, calibrate))
+        _ANALYSES[key] = hit
+    return hit[1]
+
+
 def plan_remat(f: Callable, memory_budget: int | str, *example_args,
                profile: Mapping[str, float] | None = None,
-               ilp_time_limit_s: float = 5.0) -> RematPlan:
+               ilp_time_limit_s: float = 5.0, calibrate: bool = True) -> RematPlan:
     """Plan rematerialization of f(*example_args) so forward+backward temp memory fits the budget.
 
     `profile` maps op keys (see `rockmate.op_costs.op_key`) to measured seconds; roofline
-    estimates are used for the rest. Raises InfeasibleBudgetError below the minimum.
+    estimates are used for the rest. `calibrate` compiles each distinct block twice to
+    measure XLA's working memory (accurate predictions; off = analytic model only).
+    Raises InfeasibleBudgetError below the minimum.
     """
     budget = parse_bytes(memory_budget)
-    t = analyze(f, example_args, profile, ilp_time_limit_s)
-    return make_plan(t, budget)
+    return make_plan(_analysis(f, example_args, profile, ilp_time_limit_s, calibrate), budget)
 
 
-def min_budget(f: Callable, *example_args, profile: Mapping[str, float] | None = None) -> int:
+def min_budget(f: Callable, *example_args, profile: Mapping[str, float] | None = None,
+               calibrate: bool = True) -> int:
     """Smallest temp memory (bytes) that any schedule of f reaches, as predicted."""
-    return min_budget_of(analyze(f, example_args, profile))
+    return min_budget_of(_analysis(f, example_args, profile, calibrate=calibrate))
 
 
 class RematFunction:
@@ -71,12 +90,13 @@ def apply_plan(f: Callable, plan: RematPlan | dict) -> RematFunction:
 
 
 def remat(f: Callable, memory_budget: int | str, *example_args,
-          profile: Mapping[str, float] | None = None) -> RematFunction:
+          profile: Mapping[str, float] | None = None, calibrate: bool = True) -> RematFunction:
     """f rescheduled so its forward+backward temp memory fits `memory_budget` at least recompute.
 
     The result has `.schedule` (a RematPlan: per-block kept values, predicted time and memory).
     """
-    return apply_plan(f, plan_remat(f, memory_budget, *example_args, profile=profile))
+    return apply_plan(f, plan_remat(f, memory_budget, *example_args, profile=profile,
+                                    calibrate=calibrate))
 
 
 def block(fn: Callable, **jit_kwargs) -> Callable:

@@ -113,7 +113,7 @@ def solve_block(g: BlockGraph, peak_limit_bytes: float | None,
     return option_costs(g, kept, recompute_closure(g, kept))
 
 
-def pareto_options(g: BlockGraph, levels: int = 5, time_limit_s: float = 5.0) -> tuple[BlockOption, ...]:
+def pareto_options(g: BlockGraph, levels: int = 4, time_limit_s: float = 5.0) -> tuple[BlockOption, ...]:
     """A few Pareto-optimal options (bwd time, kept bytes, peaks) across limits on the
     backward peak and on the bytes kept between forward and backward."""
     # plain autodiff's residual memory is XLA's business (it fuses some away), so the

@@ -79,16 +79,31 @@ def _calibrated(g, program, start, stop):
 
 
 def _measured_options(options, program, start, stop):
-    """Set each option's backward peak to the measured temp of the block lowered with it."""
-    out = []
+    """Correct each option's backward peak by XLA's measured temp memory of the block lowered
+    with it: measured for the least- and most-keeping options, interpolated (by kept bytes)
+    for the ones between, so a block costs two compiles."""
+    fixed = []
     for o in options:
-        if not o.keep_all:
-            kept = saved_bytes(program, start, stop, o.kept)
-            if kept is not None:
-                o = dataclasses.replace(o, kept_bytes=kept,
-                                        fwd_peak_bytes=o.fwd_peak_bytes - o.kept_bytes + kept)
+        kept = None if o.keep_all else saved_bytes(program, start, stop, o.kept)
+        if kept is not None:
+            o = dataclasses.replace(o, kept_bytes=kept, fwd_peak_bytes=o.fwd_peak_bytes - o.kept_bytes + kept)
+        fixed.append(o)
+    ends = sorted({min(range(len(fixed)), key=lambda i: fixed[i].kept_bytes),
+                   max(range(len(fixed)), key=lambda i: fixed[i].kept_bytes)})
+    delta = {}
+    for i in ends:
+        o = fixed[i]
         m = measured_option(program, start, stop, None if o.keep_all else o.kept)
-        out.append(o if m is None else dataclasses.replace(o, bwd_peak_bytes=max(m, o.kept_bytes)))
+        if m is not None:
+            delta[i] = m - o.bwd_peak_bytes
+    if not delta:
+        return pareto_front(fixed)
+    (k0, d0), (k1, d1) = [(fixed[i].kept_bytes, delta[i]) for i in (min(delta), max(delta))]
+    out = []
+    for o in fixed:
+        w = 0.0 if k1 == k0 else min(max((o.kept_bytes - k0) / (k1 - k0), 0.0), 1.0)
+        d = d0 + w * (d1 - d0)
+        out.append(dataclasses.replace(o, bwd_peak_bytes=max(int(o.bwd_peak_bytes + d), o.kept_bytes)))
     return pareto_front(out)
 
 
