@@ -108,7 +108,7 @@ def solve_block(g: BlockGraph, peak_limit_bytes: float | None,
     status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
     if pulp.LpStatus[status] != "Optimal":
         return None
-    kept = frozenset(i for i in keep if keep[i].value() > 0.5)
+    kept = frozenset(i for i in keep if (keep[i].value() or 0) > 0.5)
     # only recompute what is needed (removes harmless extra ones)
     return option_costs(g, kept, recompute_closure(g, kept))
 

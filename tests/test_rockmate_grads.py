@@ -25,7 +25,9 @@ def check(f, *args, frac=0.3):
     np.testing.assert_allclose(f2(*args), f(*args), rtol=1e-6)
     assert_grads_close(jax.jit(jax.grad(f2))(*args), jax.jit(jax.grad(f))(*args))
     # the schedule must actually recompute something at this budget
-    assert any(not b.keep_all for b in plan.blocks)
+    fastest = rockmate.plan_remat(f, 10**12, *args, calibrate=False)
+    assert plan.predicted_time_s > fastest.predicted_time_s
+    assert plan.predicted_temp_bytes < fastest.predicted_temp_bytes
     return plan
 
 
