@@ -4,38 +4,50 @@ import pytest
 
 import autopar
 from autopar.hlo_collectives import bytes_by_kind, parse_collectives
-from models import make
+import optax
 
+from autopar.model_zoo import GPTConfig, gpt_setup
+
+# Models big enough that the plans communicate (tiny ones are best run replicated).
+WIDE_GPT = GPTConfig(vocab=64, seq=16, hidden=128, heads=4, layers=2, batch=64)
 CASES = [
-    ("mlp", autopar.ShardParallel(mesh_shape=(2, 4))),
-    ("mlp", autopar.ZeRO3()),
     ("gpt", autopar.ShardParallel(mesh_shape=(2, 4))),
+    ("gpt", autopar.ShardParallel(mesh_shape=(1, 8))),
     ("gpt", autopar.DataParallel()),
-    ("gpt", autopar.Megatron(tp=2)),
-    ("embed", autopar.ShardParallel(mesh_shape=(1, 8))),
-    ("conv", autopar.DataParallel()),
+    ("gpt", autopar.ZeRO3()),
 ]
+
+
+def _setup(model):
+    return gpt_setup(WIDE_GPT, optax.adamw(1e-2))
+
+
+def _kinds(by_kind):
+    """XLA's CPU backend emits all-reduce + slice where GPUs/TPUs emit reduce-scatter."""
+    out = dict(by_kind)
+    out["all-reduce"] = out.get("all-reduce", 0.0) + out.pop("reduce-scatter", 0.0)
+    return out
 
 
 @pytest.mark.parametrize("model,method", CASES, ids=[f"{m}-{getattr(x, 'name', '')}" for m, x in CASES])
 def test_compiled_collectives_match_plan(model, method):
-    step, state, batch = make(model, "adamw")
+    step, state, batch = _setup(model)
     pstep = autopar.parallelize(step, method=method)
     plan = pstep.get_plan(state, batch)
-    predicted = plan.stages[0].collectives
-    compiled = bytes_by_kind(pstep.lower(state, batch).compile().as_text())
+    predicted = _kinds(plan.stages[0].collectives)
+    compiled = _kinds(bytes_by_kind(pstep.lower(state, batch).compile().as_text()))
     total_pred, total_hlo = sum(predicted.values()), sum(compiled.values())
     assert total_pred > 0 and total_hlo > 0
     assert abs(total_hlo - total_pred) <= 0.10 * total_pred, (predicted, compiled)
-    # the dominant kind the plan predicts is the dominant kind XLA emits
-    assert max(predicted, key=predicted.get) == max(compiled, key=compiled.get), (predicted, compiled)
+    for kind in set(predicted) | set(compiled):   # and kind by kind
+        assert abs(compiled.get(kind, 0.0) - predicted.get(kind, 0.0)) <= 0.10 * total_pred, (predicted, compiled)
 
 
 def test_data_parallel_gradient_all_reduce_bytes_equal_parameter_bytes():
     """Independent of the planner: DP on a GPT must all-reduce exactly one copy of every gradient."""
     import jax
 
-    step, state, batch = make("gpt", "sgd")
+    step, state, batch = gpt_setup(WIDE_GPT, optax.sgd(1e-2))
     pstep = autopar.parallelize(step, method=autopar.DataParallel())
     hlo = pstep.lower(state, batch).compile().as_text()
     param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state[0]))
