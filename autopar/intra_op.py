@@ -240,13 +240,20 @@ def _edges(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], resha
            tie_outputs: dict[int, int]) -> list[tuple[ilp.Edge, int, list[DimSharding], list[DimSharding]]]:
     """Edges with the var they carry and the distinct layouts at each end."""
     out = []
+    matrices: dict = {}
+
+    def matrix(sl, dl, spec):  # repeated layers ask for the same matrices many times
+        key = (tuple(sl), tuple(dl), spec.shape, spec.dtype)
+        if key not in matrices:
+            matrices[key] = np.array([[reshard(a, b, spec)[0] for b in dl] for a in sl])
+        return matrices[key]
+
     for gid, g in enumerate(groups):
         for r, v in enumerate(g.req_vars):
             src = group_of[v]
             sk, sl = _keys([ch.out[v] for ch in groups[src].choices])
             dk, dl = _keys([ch.req[r] for ch in g.choices])
-            cost = np.array([[reshard(a, b, graph.vars[v])[0] for b in dl] for a in sl])
-            out.append((ilp.Edge(src, gid, sk, dk, cost), v, sl, dl))
+            out.append((ilp.Edge(src, gid, sk, dk, matrix(sl, dl, graph.vars[v])), v, sl, dl))
     for opos, ipos in tie_outputs.items():
         v, w = graph.outvars[opos], graph.invars[ipos]
         if v in graph.literals or v == w:
@@ -341,10 +348,23 @@ def _signature(op: Op, graph: OpGraph) -> tuple:
     return (op.name, ins, outs, tuple(sorted((k, simple(v)) for k, v in op.params.items())))
 
 
+_REPEATS: dict = {}
+
+
+def _repeats_of(graph: OpGraph) -> tuple[list, list[int]]:
+    """Op signatures and layer representatives, computed once per graph (meshes share them)."""
+    hit = _REPEATS.get(id(graph))
+    if hit is None or hit[0] is not graph:
+        sigs = [_signature(op, graph) for op in graph.ops]
+        hit = (graph, sigs, representatives(len(graph.ops), tandem_repeats(sigs)))
+        _REPEATS.clear()
+        _REPEATS[id(graph)] = hit
+    return hit[1], hit[2]
+
+
 def _layer_ties(graph: OpGraph, groups: list[_Group], group_of: dict[int, int]) -> tuple[int, ...] | None:
     """Tie each node of a repeated layer to its copy in the first layer (see `repeats`)."""
-    sigs = [_signature(op, graph) for op in graph.ops]
-    rep_op = representatives(len(graph.ops), tandem_repeats(sigs))
+    sigs, rep_op = _repeats_of(graph)
     if all(r == i for i, r in enumerate(rep_op)):
         return None
     root_group = {g.ops[0]: gid for gid, g in enumerate(groups) if g.ops}
