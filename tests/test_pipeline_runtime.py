@@ -242,6 +242,18 @@ def test_plan_dict_is_json_and_describes_the_pipeline():
     assert d["predicted_step_s"] == d["predicted_latency_s"] > 0
 
 
+def _two_stage_loss(p, x):
+    h = jnp.tanh(x @ p["w1"])
+    h = mark_stage_boundary(h)
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+
+def _two_stage_step(p, x):
+    """A two-layer step cut by hand, with a plain sgd update."""
+    l, g = value_and_grad(_two_stage_loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), l
+
+
 class _MemoryDB:
     """Stands in for autopar.TuningDB's profile table."""
 
@@ -260,14 +272,7 @@ def test_profile_measures_candidate_stages_once_and_caches_them():
     cache; and the plan follows the measurements (here edited to make one cut best)."""
     from autopar.pipeline.profile import PROFILE_KIND
 
-    def loss(p, x):
-        h = jnp.tanh(x @ p["w1"])
-        h = mark_stage_boundary(h)
-        return jnp.mean((h @ p["w2"]) ** 2)
-
-    def step(p, x):
-        l, g = value_and_grad(loss)(p, x)
-        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), l
+    step = _two_stage_step
 
     p = {"w1": jnp.full((8, 8), 0.1), "w2": jnp.full((8, 4), 0.2)}
     x = jnp.ones((4, 8))
@@ -343,14 +348,7 @@ def test_intra_op_ilp_as_stage_cost():
     from autopar.pipeline.api import trace_step
     from autopar.pipeline.ilp_cost import IntraOpStageCost
 
-    def loss(p, x):
-        h = jnp.tanh(x @ p["w1"])
-        h = mark_stage_boundary(h)
-        return jnp.mean((h @ p["w2"]) ** 2)
-
-    def step(p, x):
-        l, g = value_and_grad(loss)(p, x)
-        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), l
+    step = _two_stage_step
 
     p = {"w1": jnp.full((32, 32), 0.01), "w2": jnp.full((32, 16), 0.02)}
     x = jnp.ones((8, 32))
