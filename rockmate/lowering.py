@@ -71,14 +71,25 @@ def tie_choice(program: FlatProgram, start: int, stop: int, ins: Sequence[int]) 
 
 def _release_together(cts, act_mask):
     """Make the activation cotangents depend on every parameter cotangent, so the parameter
-    gradients (and the residuals they read) are finished before earlier blocks start."""
+    gradients (and the residuals they read) are finished before earlier blocks start, and
+    pass them out through a `cond`, which XLA cannot fuse across: without it, XLA's loop
+    fusion duplicates the chain of cotangent adds of residual connections into every later
+    block's backward, so each block's contribution to the cotangent stays alive until the
+    end of the backward pass (measured: +4 activation-sized buffers on a 6-layer MLP)."""
+    idx = [i for i, (c, m) in enumerate(zip(cts, act_mask)) if m and hasattr(c, "dtype")
+           and jnp.issubdtype(c.dtype, jnp.inexact) and c.size > 0]
+    if not idx:
+        return cts
     params = [c for c, m in zip(cts, act_mask) if not m and hasattr(c, "dtype")
               and jnp.issubdtype(c.dtype, jnp.inexact) and c.size > 0]
-    if not params:
-        return cts
-    zero = sum(jnp.sum(p) for p in params) * 0
-    return [c + zero.astype(c.dtype) if m and hasattr(c, "dtype") and jnp.issubdtype(c.dtype, jnp.inexact)
-            else c for c, m in zip(cts, act_mask)]
+    zero = sum(jnp.sum(p) for p in (params or [cts[idx[0]]])) * 0
+    # the NaN branch keeps NaN/inf gradients what they were; the other one is the identity
+    acts = lax.cond(jnp.isnan(zero), lambda cs: [c + zero.astype(c.dtype) for c in cs],
+                    lambda cs: list(cs), [cts[i] for i in idx])
+    out = list(cts)
+    for i, v in zip(idx, acts):
+        out[i] = v
+    return out
 
 
 def recompute_region(fn: Callable, tie_mask: Sequence[bool], policy=None,
