@@ -22,6 +22,12 @@ from .target import cpu_target, target_key
 C_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-shared")
 
 
+def compile_flags(isa: list[str]) -> tuple[str, ...]:
+    """C_FLAGS for a CPU; on AVX-512 machines gcc is told to use 512-bit vectors, which its
+    tuning for recent Intel cores avoids by default (a tuned 512^3 matmul: 205 -> 300 GFLOP/s)."""
+    return C_FLAGS + (("-mprefer-vector-width=512",) if "avx512f" in isa else ())
+
+
 @dataclass(frozen=True)
 class BuildResult:
     path: str | None
@@ -56,7 +62,8 @@ class CBackend:
         return self._workdir
 
     def target(self) -> dict[str, Any]:
-        return cpu_target(self.compiler)
+        t = cpu_target(self.compiler)
+        return {**t, "cflags": list(compile_flags(t["isa"]))}
 
     def target_key(self) -> str:
         return target_key(self.target())
@@ -76,7 +83,7 @@ class CBackend:
                 stem = os.path.join(self.workdir, f"k{os.getpid()}_{self._count}")
                 with open(stem + ".c", "w") as f:
                     f.write(sources[i])
-                cmd = [self.compiler, *C_FLAGS, "-o", stem + ".so", stem + ".c", "-lm"]
+                cmd = [self.compiler, *self.target()["cflags"], "-o", stem + ".so", stem + ".c", "-lm"]
                 p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 running.append((i, p, time.perf_counter(), stem))
             time.sleep(0.01)

@@ -10,7 +10,7 @@ from dataclasses import replace
 from .compute import ComputeDAG
 from .lower import Program, lower
 from .schedule import ScheduleError, State, Step, apply_step, initial_state, replay
-from .sketch import MAX_INNER_TILE, UNROLL_STEPS, _outer_spatial, compute_location_options, has_data_reuse
+from .sketch import UNROLL_STEPS, inner_tile_cap, _outer_spatial, compute_location_options, has_data_reuse
 
 STRUCTURE_KINDS = ("split", "follow_split", "reorder", "cache_write", "rfactor", "compute_inline")
 
@@ -63,7 +63,8 @@ def mutate_tile_size(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> 
         return None
     i = rng.choice(idx)
     st = _state_before(dag, steps, i).stage(steps[i]["stage"])
-    extent = st.prim(st.loop(steps[i]["iter"]).prims[0]).extent
+    prim = st.prim(st.loop(steps[i]["iter"]).prims[0])
+    extent = prim.extent
     f = list(steps[i]["factors"])
     inner = 1
     for x in f:
@@ -77,7 +78,7 @@ def mutate_tile_size(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> 
     d = rng.choice(_prime_factors(lengths[a]))
     lengths[a] //= d
     lengths[b] *= d
-    if lengths[-1] > MAX_INNER_TILE:
+    if lengths[-1] > inner_tile_cap(st, prim.axis):
         return None
     out = list(steps)
     out[i] = {**steps[i], "factors": lengths[1:]}

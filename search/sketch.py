@@ -17,7 +17,8 @@ from .lower import lower
 from .schedule import ScheduleError, State, Step, StageState, apply_step, initial_state, replay
 
 UNROLL_STEPS = (0, 16, 64)  # 512 (Ansor's largest) makes gcc compile for >10 s
-MAX_INNER_TILE = 64
+MAX_INNER_TILE = 64          # innermost spatial tile: it becomes a vector/register tile
+MAX_INNER_REDUCE_TILE = 512  # innermost reduction tile: how long a register tile accumulates
 SPATIAL_LEVELS, REDUCE_LEVELS = 4, 2
 
 
@@ -160,13 +161,18 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def sample_factors(extent: int, n: int, rng: random.Random) -> list[int]:
-    """n inner tile lengths whose product divides `extent` (innermost at most MAX_INNER_TILE)."""
+def inner_tile_cap(st: StageState, axis: str) -> int:
+    """Largest innermost tile of an axis: spatial tiles live in registers, reduction tiles do not."""
+    return MAX_INNER_REDUCE_TILE if any(a.name == axis for a in st.stage.reduce_axes) else MAX_INNER_TILE
+
+
+def sample_factors(extent: int, n: int, rng: random.Random, max_inner: int = MAX_INNER_TILE) -> list[int]:
+    """n inner tile lengths whose product divides `extent` (innermost at most `max_inner`)."""
     rest, out = extent, []
     for i in range(n):
         ds = divisors(rest)
         if i == 0:
-            ds = [d for d in ds if d <= MAX_INNER_TILE]
+            ds = [d for d in ds if d <= max_inner]
         f = rng.choice(ds)
         out.append(f)
         rest //= f
@@ -221,7 +227,8 @@ def _annotate_once(sketch: Sketch, dag: ComputeDAG, rng: random.Random) -> list[
         if step["kind"] == "split" and None in step["factors"]:
             st = state.stage(step["stage"])
             p = st.prim(st.loop(step["iter"]).prims[0])
-            step = {**step, "factors": sample_factors(p.extent, len(step["factors"]), rng)}
+            step = {**step, "factors": sample_factors(p.extent, len(step["factors"]), rng,
+                                                      inner_tile_cap(st, p.axis))}
         if step["kind"] == "compute_at":
             attaches.append(step)
         state = apply_step(state, step, steps)

@@ -81,3 +81,78 @@ def test_built_kernel_matches_numpy_directly():
     np.testing.assert_allclose(k(a, b, bias), ref, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="shape"):
         k(a.T, b, bias)
+
+
+def _matmul_tile_schedule(i, j, k):
+    """cache_write matmul: an (i3 x j3) accumulator tile under the innermost reduction loop k.1."""
+    return [{"kind": "cache_write", "stage": "C"},
+            {"kind": "split", "stage": "C.local", "iter": "i", "factors": i},
+            {"kind": "split", "stage": "C.local", "iter": "j", "factors": j},
+            {"kind": "split", "stage": "C.local", "iter": "k", "factors": k},
+            {"kind": "reorder", "stage": "C.local",
+             "order": ["i.0", "j.0", "i.1", "j.1", "k.0", "i.2", "j.2", "k.1", "i.3", "j.3"]},
+            {"kind": "follow_split", "stage": "C", "iter": "i", "n": 1, "src": ["C.local", "i"]},
+            {"kind": "follow_split", "stage": "C", "iter": "j", "n": 1, "src": ["C.local", "j"]},
+            {"kind": "reorder", "stage": "C", "order": ["i.0", "j.0", "i.1", "j.1"]},
+            {"kind": "annotate", "stage": "C", "iter": "i.0", "ann": "parallel"},
+            {"kind": "annotate", "stage": "C.local", "iter": "j.3", "ann": "vectorize"},
+            {"kind": "compute_at", "stage": "C.local", "target": "C", "iter": "j.0"}]
+
+
+def test_register_tile_wraps_the_innermost_reduction_loop():
+    """The i3 x j3 accumulator is copied into a local array around k.1 (and only there), and the
+    kernel still computes A @ B; a tile larger than the register file is left in memory."""
+    task = Task.matmul(32, 64, 48)
+    a, b = (np.random.default_rng(1).standard_normal(s).astype(np.float32) for _, s in task.input_shapes)
+    k = build(task, _matmul_tile_schedule([1, 2, 4], [1, 1, 16], [12]))
+    assert k.source.count("C_local_reg[64]") == 1
+    lines = k.source.splitlines()
+    reg_at = next(n for n, ln in enumerate(lines) if "C_local_reg[64]" in ln)
+    assert "for (int v0_k_1 = 0; v0_k_1 < 12;" in "\n".join(lines[reg_at:])
+    np.testing.assert_allclose(k(a, b), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+    big = build(task, _matmul_tile_schedule([1, 1, 32], [1, 1, 32], [12]))  # 1024 > 512 elements
+    assert "_reg[" not in big.source
+    np.testing.assert_allclose(big(a, b), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_register_tile_refuses_an_index_that_collides():
+    """Two inner iterations that accumulate into one element cannot get two registers."""
+    from search.codegen_c import register_tile
+    from search.expr import Bin, Const, Var
+    from search.lower import Buffer, For, Store
+
+    out = Buffer("C", (4, 4), "output")
+
+    def nest(index):
+        st = Store(out, index, Const(1.0), "sum", "C")
+        return For("k", 8, "none", [For("a", 2, "unroll", [For("b", 2, "vectorize", [st])])])
+
+    ok = Bin("+", Bin("*", Var("a"), Const(4, True)), Var("b"))
+    clash = Bin("+", Var("a"), Var("b"))
+    assert register_tile(nest(ok)) is not None
+    assert register_tile(nest(clash)) is None
+    assert register_tile(nest(Bin("+", ok, Var("k")))) is None  # k is not a reduction loop here
+
+
+def test_random_schedules_exercise_register_tiles():
+    """The property test above covers the register-tile path: some sampled matmul schedules use it."""
+    from search.backend import CBackend
+    from search.schedule import replay
+
+    task = TASKS["matmul_relu"]
+    base, mutants, children = random_schedules(task, seed=7, per_sketch=3)
+    sources = [CBackend().source(replay(task.dag, s)) for s in base + mutants + children]
+    assert any("_reg[" in src for src in sources)
+
+
+def test_compile_flags_follow_the_isa_and_are_part_of_the_target():
+    """512-bit vectors only where the CPU has AVX-512; the flags are in the target (and so in its
+    key), so records measured with other flags are never mixed with these."""
+    from search.backend import C_FLAGS, CBackend, compile_flags
+    from search.target import target_key
+
+    assert compile_flags(["avx2", "fma"]) == C_FLAGS
+    assert "-mprefer-vector-width=512" in compile_flags(["avx2", "avx512f"])
+    t = CBackend().target()
+    assert tuple(t["cflags"]) == compile_flags(t["isa"])
+    assert target_key({**t, "cflags": list(C_FLAGS) + ["-O2"]}) != target_key(t)
