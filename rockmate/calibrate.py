@@ -7,6 +7,7 @@ gives its forward working memory and, per option, the peak of its forward+backwa
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Iterable
 
 import jax
@@ -27,6 +28,24 @@ def _block_fn(program: FlatProgram, start: int, stop: int, names=None):
     return fn, ins, outs
 
 
+# Calibration compiles only need XLA's buffer assignment, which LLVM's optimisation level
+# does not change (same temp bytes measured on GPT and ResNet blocks; ~35 % faster).
+_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
+_TEMP_CACHE: dict[str, int] = {}
+
+
+def temp_bytes(lowered) -> int:
+    """XLA's temp bytes of a lowered program, memoised on its text (identical blocks of
+    another function, or a re-trace of the same one, compile once)."""
+    key = hashlib.sha1(lowered.as_text().encode()).hexdigest()
+    if key not in _TEMP_CACHE:
+        if len(_TEMP_CACHE) > 4096:
+            _TEMP_CACHE.clear()
+        compiled = lowered.compile(compiler_options=_COMPILE_OPTIONS)
+        _TEMP_CACHE[key] = int(compiled.memory_analysis().temp_size_in_bytes)
+    return _TEMP_CACHE[key]
+
+
 def _spec(program: FlatProgram, v: int):
     return jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype)
 
@@ -37,8 +56,7 @@ def measured_forward(program: FlatProgram, start: int, stop: int) -> int | None:
     if not outs:
         return None
     try:
-        return int(jax.jit(fn).lower(*[_spec(program, v) for v in ins]).compile()
-                   .memory_analysis().temp_size_in_bytes)
+        return temp_bytes(jax.jit(fn).lower(*[_spec(program, v) for v in ins]))
     except Exception:  # e.g. a block that cannot be compiled alone
         return None
 
@@ -70,10 +88,9 @@ def measured_option(program: FlatProgram, start: int, stop: int, kept: Iterable[
 
     try:
         cts = [s for s, f in zip(out_specs, float_out) if f]
-        compiled = jax.jit(fwd_bwd).lower([_spec(program, v) for v in ins], cts).compile()
+        return temp_bytes(jax.jit(fwd_bwd).lower([_spec(program, v) for v in ins], cts))
     except Exception:  # integer-only or otherwise non-differentiable block
         return None
-    return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def saved_bytes(program: FlatProgram, start: int, stop: int, kept: Iterable[int]) -> int | None:

@@ -44,7 +44,8 @@ def _tie_to_cotangent(vals, ct):
 def tie_choice(program: FlatProgram, start: int, stop: int, ins: Sequence[int]) -> list[bool]:
     """Which region inputs to tie to the cotangent so every op that depends on an input is
     recomputed after the cotangent: activations first, then program inputs, smallest first,
-    until each such op depends on a tied input."""
+    until each such op depends on a tied input; also every program input as large as the
+    region's outputs (a batch rather than a weight)."""
     bit = {v: 1 << i for i, v in enumerate(ins)}
     dep: dict[int, int] = dict(bit)
     op_deps = []
@@ -65,6 +66,15 @@ def tie_choice(program: FlatProgram, start: int, stop: int, ins: Sequence[int]) 
         if all(d & tied for d in op_deps):
             break
         if any(d & (1 << i) and not d & tied for d in op_deps):
+            tied |= 1 << i
+    # program inputs as large as the region's activations (a batch, not a weight): the
+    # backward's own work on them (e.g. the transposed image a conv's weight gradient reads)
+    # must not be hoisted to the start of the program either
+    _, outs = block_io(program, start, stop)
+    act = max([aval_bytes(program.avals[v]) for v in outs] or [0])
+    for i in numeric:
+        v = ins[i]
+        if v in invars and is_float(program.avals[v]) and aval_bytes(program.avals[v]) >= act // 2 > 0:
             tied |= 1 << i
     return [bool(tied >> i & 1) for i in range(len(ins))]
 
@@ -90,6 +100,24 @@ def _release_together(cts, act_mask):
     for i, v in zip(idx, acts):
         out[i] = v
     return out
+
+
+def materialize(vals):
+    """The same values, passed through a `cond` (one whose branches XLA cannot fuse across),
+    so each array leaves as a buffer of its own. Without it XLA duplicates cheap elementwise
+    producers (a residual `relu(x + conv(h))`) into every consumer, and the operands of the
+    chain (every earlier block's conv output) stay alive instead of the one kept activation."""
+    idx = [i for i, v in enumerate(vals) if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.inexact)
+           and v.size > 1]
+    if not idx:
+        return vals
+    probe = jnp.isnan(vals[idx[0]].reshape(-1)[0])
+    # both branches are the identity on values (`c * 1` only keeps JAX from forwarding them)
+    outs = lax.cond(probe, lambda cs: [c * 1 for c in cs], lambda cs: list(cs), [vals[i] for i in idx])
+    vals = list(vals)
+    for i, v in zip(idx, outs):
+        vals[i] = v
+    return vals
 
 
 def recompute_region(fn: Callable, tie_mask: Sequence[bool], policy=None,
@@ -140,7 +168,7 @@ def lower(program: FlatProgram, chain: Chain, options: Mapping[int, BlockOption]
     invar_set = set(program.invars)
 
     def run_region(start: int, stop: int, env: dict, body: Callable[[dict], None],
-                   policy_names: Sequence[str] | None, recompute: bool) -> None:
+                   policy_names: Sequence[str] | None, recompute: bool, boundary: bool = False) -> None:
         ins, outs = block_io(program, start, stop)
         ins = tuple(v for v in ins if v not in program.consts)
 
@@ -158,6 +186,8 @@ def lower(program: FlatProgram, chain: Chain, options: Mapping[int, BlockOption]
             policy = (jax.checkpoint_policies.save_only_these_names(*policy_names)
                       if policy_names is not None else None)
             res = recompute_region(fn, tie_mask, policy, act_mask)(*vals)
+        if boundary:
+            res = materialize(res)
         env.update(zip(outs, res))
 
     def run_block(b: int, env: dict) -> None:
@@ -173,7 +203,7 @@ def lower(program: FlatProgram, chain: Chain, options: Mapping[int, BlockOption]
         def body(e):
             eval_ops(program, blk.start, blk.stop, e, names)
         run_region(blk.start, blk.stop, env, body, tuple(names.values()),
-                   recompute=not opt.keep_all)
+                   recompute=not opt.keep_all, boundary=True)
 
     def run_seq(tree: Schedule, env: dict) -> None:
         if isinstance(tree, Leaf):

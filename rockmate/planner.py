@@ -21,6 +21,7 @@ from .sequence_dp import ChainBlock, ChainOption, min_peak, schedule_cost, solve
 DP_UNITS = 400  # memory discretisation of the sequence DP
 # XLA temp memory the model does not see per block (fusion scratch, gradient accumulators).
 BASE_OVERHEAD_BYTES = 0
+CALIBRATED_OPTIONS = 4  # compiles per distinct block (plus one for its forward)
 
 
 @dataclass(frozen=True)
@@ -80,31 +81,43 @@ def _calibrated(g, program, start, stop):
 
 def _measured_options(options, program, start, stop):
     """Correct each option's backward peak by XLA's measured temp memory of the block lowered
-    with it: measured for the least- and most-keeping options, interpolated (by kept bytes)
-    for the ones between, so a block costs two compiles."""
+    with it: measured for up to CALIBRATED_OPTIONS options spread over kept bytes (all of
+    them on most blocks; the analytic peak of the low-memory options, the ones tight budgets
+    pick, can be off by 2x), interpolated piecewise-linearly by kept bytes for the others."""
     fixed = []
     for o in options:
         kept = None if o.keep_all else saved_bytes(program, start, stop, o.kept)
         if kept is not None:
             o = dataclasses.replace(o, kept_bytes=kept, fwd_peak_bytes=o.fwd_peak_bytes - o.kept_bytes + kept)
         fixed.append(o)
-    ends = sorted({min(range(len(fixed)), key=lambda i: fixed[i].kept_bytes),
-                   max(range(len(fixed)), key=lambda i: fixed[i].kept_bytes)})
+    by_kept = sorted(range(len(fixed)), key=lambda i: fixed[i].kept_bytes)
+    n = len(by_kept)
+    probes = {by_kept[round(j * (n - 1) / max(CALIBRATED_OPTIONS - 1, 1))]
+              for j in range(min(n, CALIBRATED_OPTIONS))}
     delta = {}
-    for i in ends:
+    for i in sorted(probes):
         o = fixed[i]
         m = measured_option(program, start, stop, None if o.keep_all else o.kept)
         if m is not None:
             delta[i] = m - o.bwd_peak_bytes
     if not delta:
         return pareto_front(fixed)
-    (k0, d0), (k1, d1) = [(fixed[i].kept_bytes, delta[i]) for i in (min(delta), max(delta))]
+    points = sorted((fixed[i].kept_bytes, d) for i, d in delta.items())
     out = []
-    for o in fixed:
-        w = 0.0 if k1 == k0 else min(max((o.kept_bytes - k0) / (k1 - k0), 0.0), 1.0)
-        d = d0 + w * (d1 - d0)
+    for i, o in enumerate(fixed):
+        d = delta[i] if i in delta else _interpolate(points, o.kept_bytes)
         out.append(dataclasses.replace(o, bwd_peak_bytes=max(int(o.bwd_peak_bytes + d), o.kept_bytes)))
     return pareto_front(out)
+
+
+def _interpolate(points, x):
+    """Piecewise-linear through sorted (x, y) points, constant beyond the ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 if x1 == x0 else y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+    return points[-1][1]
 
 
 def _block_options(program, blk, profile, time_limit_s, calibrate=True):
