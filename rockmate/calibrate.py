@@ -14,7 +14,7 @@ import jax
 
 from .blocks import block_io
 from .jax_graph import FlatProgram, eval_ops, is_float
-from .lowering import recompute_region, tie_choice
+from .lowering import materialize, recompute_region, tie_choice
 
 
 def _block_fn(program: FlatProgram, start: int, stop: int, names=None):
@@ -79,8 +79,11 @@ def measured_option(program: FlatProgram, start: int, stop: int, kept: Iterable[
         policy = jax.checkpoint_policies.save_only_these_names(*names.values())
         region = recompute_region(fn, tie_choice(program, start, stop, ins), policy, act)
 
+    def lowered(*vals):  # as the schedule runs a block: outputs leave through `materialize`
+        return tuple(materialize(list(region(*vals))))
+
     def fwd_bwd(vals, cts):
-        _, vjp_fn = jax.vjp(region, *vals)
+        _, vjp_fn = jax.vjp(lowered, *vals)
         it = iter(cts)
         full = tuple(next(it) if f else jax.numpy.zeros(s.shape, jax.dtypes.float0)
                      for s, f in zip(out_specs, float_out))

@@ -21,7 +21,7 @@ from .sequence_dp import ChainBlock, ChainOption, min_peak, schedule_cost, solve
 DP_UNITS = 400  # memory discretisation of the sequence DP
 # XLA temp memory the model does not see per block (fusion scratch, gradient accumulators).
 BASE_OVERHEAD_BYTES = 0
-CALIBRATED_OPTIONS = 4  # compiles per distinct block (plus one for its forward)
+CALIBRATED_OPTIONS = 3  # compiles per distinct block (plus one for its forward)
 
 
 @dataclass(frozen=True)

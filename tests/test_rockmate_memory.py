@@ -1,6 +1,7 @@
 """The saving is real in the compiled program: measured temp memory of jax.grad(f2) follows
 the prediction and the budget, on an unrolled model (where plain jax.checkpoint does not
 save memory on XLA CPU) as well as on a scanned one."""
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,24 +30,81 @@ def temp_bytes(f, *args) -> int:
     return jax.jit(jax.grad(f)).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+def sweep(f, *args, points=5):
+    """(budget, predicted, measured) from the minimum budget up to no-remat memory."""
+    plain = temp_bytes(f, *args)
+    lo = rockmate.min_budget(f, *args)
+    results = []
+    for budget in np.linspace(lo, max(plain, lo), points).astype(int):
+        f2 = rockmate.remat(f, int(budget), *args)
+        assert f2.schedule.predicted_temp_bytes <= budget
+        results.append((int(budget), f2.schedule.predicted_temp_bytes, temp_bytes(f2, *args)))
+    return plain, results
+
+
 def test_measured_temp_follows_prediction_over_budget_sweep():
     f, params, x = residual_mlp()
-    plain = temp_bytes(f, params, x)
-    lo = rockmate.min_budget(f, params, x)
-    results = []
-    # known gap: right at the minimum (schedules made of nested multi-block segments) XLA
-    # keeps about one block's worth more than predicted; the sweep starts a quarter above it
-    for budget in np.linspace(lo, plain, 5).astype(int):
-        f2 = rockmate.remat(f, int(budget), params, x)
-        measured = temp_bytes(f2, params, x)
-        predicted = f2.schedule.predicted_temp_bytes
-        results.append((int(budget), predicted, measured))
+    plain, results = sweep(f, params, x)
     for budget, predicted, measured in results:
-        assert predicted <= budget
         assert abs(measured - predicted) <= 0.15 * predicted, results
         assert measured <= 1.10 * budget, results
-    # the tightest schedule of the sweep saves a real share of no-remat memory
-    assert results[0][2] < 0.75 * plain, (results, plain)
+    # the tightest schedule saves a real share of no-remat memory
+    assert results[0][2] < 0.4 * plain, (results, plain)
+
+
+class ResBlock(nn.Module):
+    ch: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Conv(self.ch, (3, 3))(x))
+        return nn.relu(x + nn.Conv(self.ch, (3, 3))(h))
+
+
+class ResNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(16, (3, 3))(x))
+        for _ in range(4):
+            x = ResBlock(16)(x)
+        return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
+
+
+def test_resnet_measured_temp_follows_prediction_over_budget_sweep():
+    """Conv blocks: relu(x + conv(h)) outputs that XLA would otherwise fuse into every
+    consumer, and weight gradients reading a transposed copy of the input image."""
+    m = ResNet()
+    x = jax.random.normal(jax.random.PRNGKey(2), (4, 16, 16, 16))
+    params = m.init(jax.random.PRNGKey(3), x)
+    f = lambda p, x: jnp.mean(m.apply(p, x) ** 2)  # noqa: E731
+    plain, results = sweep(f, params, x)
+    for budget, predicted, measured in results:
+        assert abs(measured - predicted) <= 0.15 * predicted, results
+        assert measured <= 1.10 * budget, results
+    assert results[0][2] < 0.5 * plain, (results, plain)
+
+
+def test_gpt_measured_temp_stays_under_budget_over_sweep():
+    """Transformer blocks: measured temp never exceeds the budget by more than 10 % and is
+    within 15 % of the prediction at the tight end. Known gap: at loose budgets the
+    prediction is high (measured up to ~30 % lower), because XLA keeps fewer of a
+    keep-everything block's residuals than JAX's VJP lists (it re-derives cheap
+    elementwise ones from fused neighbours), and the per-block calibration in isolation
+    does not see that saving."""
+    from test_rockmate_grads import GPT
+    m = GPT(layers=4, d=64, heads=1, vocab=256)
+    tok = jax.random.randint(jax.random.PRNGKey(0), (2, 64), 0, 256)
+    params = m.init(jax.random.PRNGKey(1), tok)
+
+    def f(params, tok):
+        lp = jax.nn.log_softmax(m.apply(params, tok))
+        return -jnp.mean(jnp.take_along_axis(lp, tok[..., None], -1))
+    plain, results = sweep(f, params, tok, points=4)
+    for budget, predicted, measured in results:
+        assert measured <= 1.10 * budget, results
+    budget, predicted, measured = results[0]
+    assert abs(measured - predicted) <= 0.15 * predicted, results
+    assert measured < 0.4 * plain, (results, plain)
 
 
 def test_tied_recomputation_beats_plain_checkpoint_on_unrolled_layers():
