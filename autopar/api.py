@@ -129,12 +129,61 @@ class Parallelized:
             graph, splan, plan = _plan(self.fun, args, kwargs, Cluster.from_devices(devices), self.method,
                                        memory_budget_bytes=self.memory_budget_bytes, batch_argnums=self.batch_argnums,
                                        device_ids=[d.id for d in devices], remat=self.remat)
-        mesh = build_mesh(devices, splan.mesh_shape)
         flat_donate = _flat_indices(args, self.donate_argnums)
-        jitted = sharded_function(graph, splan, mesh, flat_donate)
+        jitted = sharded_function(graph, splan, build_mesh(devices, splan.mesh_shape), flat_donate)
+        if self.fixed_plan is None and (plan.remat or {}).get("applied") == "rockmate" \
+                and self.memory_budget_bytes is not None:
+            graph, splan, plan, jitted = self._fit_remat(args, kwargs, devices, flat_donate, graph, splan, plan, jitted)
         entry = _Entry(graph, plan, jitted, flat_donate)
         self._cache[sig] = entry
         return entry
+
+    def _fit_remat(self, args, kwargs, devices, flat_donate, graph, splan, plan, jitted, max_replans: int = 3):
+        """Compile the SPMD program and check its per-device memory (arguments + temp, from
+        XLA's memory_analysis) against the budget; while over, re-plan with the rockmate
+        activation budget cut by the measured overshoot. The measurement and the outcome
+        go into plan.remat; a program that still does not fit is reported with a warning."""
+        budget = self.memory_budget_bytes
+        scale, history = 1.0, []
+        while True:
+            ma = measured_step_memory(jitted, args, kwargs)
+            used = ma.argument_size_in_bytes + ma.temp_size_in_bytes
+            history.append({"activation_budget_bytes": plan.remat["activation_budget_bytes"],
+                            "measured_argument_bytes": int(ma.argument_size_in_bytes),
+                            "measured_temp_bytes": int(ma.temp_size_in_bytes)})
+            if used <= budget or len(history) > max_replans:
+                break
+            if budget <= ma.argument_size_in_bytes:
+                break
+            # cut rockmate's (whole-batch) activation budget by the measured per-device
+            # overshoot times the batch shards, plus a tenth for the model's slack
+            act = plan.remat["activation_budget_bytes"]
+            target = act - 1.1 * (used - budget) * plan.remat["batch_shards"]
+            if target <= 0:
+                break
+            scale *= target / act
+            try:
+                g2, s2, p2 = _plan(self.fun, args, kwargs, Cluster.from_devices(devices), self.method,
+                                   memory_budget_bytes=budget, batch_argnums=self.batch_argnums,
+                                   device_ids=[d.id for d in devices], remat=self.remat, activation_scale=scale)
+            except MemoryBudgetError:
+                break
+            if (p2.remat or {}).get("applied") != "rockmate":
+                break
+            graph, splan, plan = g2, s2, p2
+            jitted = sharded_function(graph, splan, build_mesh(devices, splan.mesh_shape), flat_donate)
+        fits = used <= budget
+        info = dict(plan.remat, measured_argument_bytes=int(ma.argument_size_in_bytes),
+                    measured_temp_bytes=int(ma.temp_size_in_bytes), measured_fits_budget=bool(fits),
+                    replans=len(history) - 1, attempts=history)
+        if not fits:
+            import warnings
+
+            warnings.warn(f"autopar: with rockmate remat the compiled step needs {used / 1e6:.1f} MB per device "
+                          f"(arguments {ma.argument_size_in_bytes / 1e6:.1f} MB + temp {ma.temp_size_in_bytes / 1e6:.1f} MB, "
+                          f"XLA memory_analysis) against a budget of {budget / 1e6:.1f} MB after {len(history) - 1} "
+                          "re-plans; raise memory_budget, use more devices or a smaller batch")
+        return graph, splan, replace(plan, remat=info), jitted
 
     def _pipeshard_entry(self, args: tuple, kwargs: dict, sig: str, devices: list) -> _Entry:
         if kwargs:
@@ -169,11 +218,18 @@ class Parallelized:
         return jax.tree_util.tree_unflatten(entry.graph.out_tree, out)
 
 
+def measured_step_memory(jitted, args: tuple, kwargs: dict):
+    """XLA's per-device memory_analysis of the compiled step (the SPMD program)."""
+    flat = jax.tree_util.tree_leaves((args, kwargs))
+    return jitted.lower(*flat).compile().memory_analysis()
+
+
 def _trace(fun: Callable, args: tuple, kwargs: dict) -> OpGraph:
     return trace_graph(fun, *jax.tree_util.tree_map(_abstract, args), **jax.tree_util.tree_map(_abstract, kwargs))
 
 
-def _plan(fun, args, kwargs, cluster: Cluster, method, *, memory_budget_bytes, batch_argnums, device_ids, remat="none"):
+def _plan(fun, args, kwargs, cluster: Cluster, method, *, memory_budget_bytes, batch_argnums, device_ids, remat="none",
+          activation_scale: float = 1.0):
     t0 = time.perf_counter()
     infos = input_infos(args, kwargs, batch_argnums)
     budget = memory_budget_bytes if memory_budget_bytes is not None else math.inf
@@ -195,7 +251,7 @@ def _plan(fun, args, kwargs, cluster: Cluster, method, *, memory_budget_bytes, b
         splan, needs_remat = None, e
     if needs_remat:
         graph, splan, remat_info = _plan_with_remat(fun, args, kwargs, graph, splan, needs_remat, infos, plan_once,
-                                                    remat, budget, cluster, method, device_ids)
+                                                    remat, budget, cluster, method, device_ids, activation_scale)
     elif remat == "auto":
         remat_info["applied"] = "none (the plan fits the memory budget without it)"
     out_names = [f"out{jax.tree_util.keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(
@@ -207,9 +263,11 @@ def _plan(fun, args, kwargs, cluster: Cluster, method, *, memory_budget_bytes, b
     return graph, splan, plan
 
 
-def _plan_with_remat(fun, args, kwargs, graph, splan, reason, infos, plan_once, remat, budget, cluster, method, device_ids):
+def _plan_with_remat(fun, args, kwargs, graph, splan, reason, infos, plan_once, remat, budget, cluster, method, device_ids,
+                     activation_scale: float = 1.0):
     """Re-trace the step with a rockmate schedule on the loss given to autopar.value_and_grad,
-    under the activation budget left per device after parameters and optimizer state."""
+    under the activation budget left per device after parameters and optimizer state
+    (times `activation_scale`, < 1 when a compiled program measured over the budget)."""
     import rockmate
 
     from autopar.pipeline.grad import transform_losses
@@ -229,13 +287,19 @@ def _plan_with_remat(fun, args, kwargs, graph, splan, reason, infos, plan_once, 
             try:
                 if budget <= arg_bytes:  # nothing left for activations
                     raise rockmate.InfeasibleBudgetError(0, rockmate.min_budget(loss_fn, *example))
-                rplan = rockmate.plan_remat(loss_fn, int((budget - arg_bytes) * factor), *example)
+                rplan = rockmate.plan_remat(loss_fn, int((budget - arg_bytes) * factor * activation_scale), *example)
             except rockmate.InfeasibleBudgetError as e:
                 mesh_shape = tuple(splan.mesh_shape) if splan is not None else (1, len(device_ids))
                 raise MemoryBudgetError(budget, arg_bytes + e.min_budget_bytes / factor, mesh_shape) from None
         used.append(rplan)
-        return rockmate.apply_plan(loss_fn, rplan)
+        # no `cond` at block boundaries: the intra-op planner plans a cond replicated, which
+        # would replicate every activation around it (measured: 9x the per-device temp)
+        return rockmate.apply_plan(loss_fn, rplan, boundary_conds=False)
 
+    # checkpoint_name (the `name` primitive) is an identity left in the traced step by the
+    # rescheduled loss; without a rule it is planned replicated and drags activations along
+    from autopar import strategies
+    strategies.RULES.setdefault("name", strategies.RULES["neg"])
     with transform_losses(transform):
         new_graph = _trace(fun, args, kwargs)
     if not used:

@@ -55,9 +55,10 @@ def min_budget(f: Callable, *example_args, profile: Mapping[str, float] | None =
 class RematFunction:
     """f with a remat schedule applied; call it like f, differentiate it with jax.grad."""
 
-    def __init__(self, f: Callable, plan: RematPlan):
+    def __init__(self, f: Callable, plan: RematPlan, boundary_conds: bool = True):
         self._f = f
         self.schedule = plan
+        self._boundary_conds = boundary_conds
         self._cache: dict = {}
         functools.update_wrapper(self, f)
 
@@ -74,7 +75,7 @@ class RematFunction:
                     "this remat plan was made for a different program (other shapes, dtypes or "
                     "model structure); call rockmate.plan_remat again with the new arguments")
             self._cache[key] = (lower(program, chain, dict(enumerate(self.schedule.blocks)),
-                                      self.schedule.schedule), out_tree)
+                                      self.schedule.schedule, self._boundary_conds), out_tree)
         return leaves, self._cache[key]
 
     def __call__(self, *args, **kwargs):
@@ -82,11 +83,14 @@ class RematFunction:
         return jax.tree.unflatten(out_tree, run(*leaves))
 
 
-def apply_plan(f: Callable, plan: RematPlan | dict) -> RematFunction:
-    """f with `plan` (or its JSON dict) applied; its values and gradients equal f's."""
+def apply_plan(f: Callable, plan: RematPlan | dict, *, boundary_conds: bool = True) -> RematFunction:
+    """f with `plan` (or its JSON dict) applied; its values and gradients equal f's.
+
+    `boundary_conds=False`: no `cond` around block outputs and input cotangents (they stop
+    XLA from fusing across blocks, but an SPMD planner may not shard through them)."""
     if isinstance(plan, dict):
         plan = RematPlan.from_json(plan)
-    return RematFunction(f, plan)
+    return RematFunction(f, plan, boundary_conds)
 
 
 def remat(f: Callable, memory_budget: int | str, *example_args,

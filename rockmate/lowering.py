@@ -79,7 +79,7 @@ def tie_choice(program: FlatProgram, start: int, stop: int, ins: Sequence[int]) 
     return [bool(tied >> i & 1) for i in range(len(ins))]
 
 
-def _release_together(cts, act_mask):
+def _release_together(cts, act_mask, use_cond: bool = True):
     """Make the activation cotangents depend on every parameter cotangent, so the parameter
     gradients (and the residuals they read) are finished before earlier blocks start, and
     pass them out through a `cond`, which XLA cannot fuse across: without it, XLA's loop
@@ -92,7 +92,11 @@ def _release_together(cts, act_mask):
         return cts
     params = [c for c, m in zip(cts, act_mask) if not m and hasattr(c, "dtype")
               and jnp.issubdtype(c.dtype, jnp.inexact) and c.size > 0]
+    if not params and not use_cond:
+        return cts
     zero = sum(jnp.sum(p) for p in (params or [cts[idx[0]]])) * 0
+    if not use_cond:
+        return [c + zero.astype(c.dtype) if i in idx else c for i, c in enumerate(cts)]
     # the NaN branch keeps NaN/inf gradients what they were; the other one is the identity
     acts = lax.cond(jnp.isnan(zero), lambda cs: [c + zero.astype(c.dtype) for c in cs],
                     lambda cs: list(cs), [cts[i] for i in idx])
@@ -121,7 +125,7 @@ def materialize(vals):
 
 
 def recompute_region(fn: Callable, tie_mask: Sequence[bool], policy=None,
-                     act_mask: Sequence[bool] | None = None) -> Callable:
+                     act_mask: Sequence[bool] | None = None, use_cond: bool = True) -> Callable:
     """`fn(*args)` whose backward recomputes it (saving only `policy` names) after the cotangent arrives.
 
     Arguments flagged in `tie_mask` (activations, not parameters) and the values the policy
@@ -155,7 +159,7 @@ def recompute_region(fn: Callable, tie_mask: Sequence[bool], policy=None,
             tied = iter(_tie_to_cotangent([l for l, p in zip(res, is_param) if not p], ct))
             leaves = [l if p else next(tied) for l, p in zip(res, is_param)]
             vjp_fn = jax.tree.unflatten(meta["tree"], leaves)
-        cts = _release_together(vjp_fn(ct), act_mask)
+        cts = _release_together(vjp_fn(ct), act_mask, use_cond)
         return tuple(None if getattr(c, "dtype", None) == jax.dtypes.float0 else c for c in cts)
 
     region.defvjp(fwd, bwd)
@@ -163,8 +167,11 @@ def recompute_region(fn: Callable, tie_mask: Sequence[bool], policy=None,
 
 
 def lower(program: FlatProgram, chain: Chain, options: Mapping[int, BlockOption],
-          schedule: Schedule) -> Callable:
-    """A function of the program's flat inputs that runs `schedule` and returns flat outputs."""
+          schedule: Schedule, boundary_conds: bool = True) -> Callable:
+    """A function of the program's flat inputs that runs `schedule` and returns flat outputs.
+
+    `boundary_conds=False` leaves out the `cond`s that materialise block outputs and input
+    cotangents (for planners that cannot shard through a `cond`; XLA may then keep more)."""
     invar_set = set(program.invars)
 
     def run_region(start: int, stop: int, env: dict, body: Callable[[dict], None],
@@ -185,8 +192,8 @@ def lower(program: FlatProgram, chain: Chain, options: Mapping[int, BlockOption]
             tie_mask = tie_choice(program, start, stop, ins)
             policy = (jax.checkpoint_policies.save_only_these_names(*policy_names)
                       if policy_names is not None else None)
-            res = recompute_region(fn, tie_mask, policy, act_mask)(*vals)
-        if boundary:
+            res = recompute_region(fn, tie_mask, policy, act_mask, boundary_conds)(*vals)
+        if boundary and boundary_conds:
             res = materialize(res)
         env.update(zip(outs, res))
 
