@@ -33,6 +33,7 @@ class BlockOption:
     fwd_peak_bytes: int  # transient peak of the forward beyond its input and output
     bwd_peak_bytes: int  # transient peak of the backward beyond its input and output cotangent
     keep_all: bool = False  # plain autodiff (JAX's own residuals), no checkpoint
+    calibrated: bool = False  # bwd_peak_bytes measured by XLA (not modelled or interpolated)
 
 
 def option_costs(g: BlockGraph, kept: frozenset[int], recomputed: frozenset[int],

@@ -224,9 +224,24 @@ def _periodic_cuts(program: FlatProgram, producers, cut_bytes_all) -> set[int] |
     start, period, reps = region
     if reps * period < 0.5 * len(program.ops) or period < 4:
         return None
-    # phase: where cuts carry the fewest live bytes
-    best_phase = min(range(period), key=lambda ph: (
-        sum(cut_bytes_all[start + ph + j * period] for j in range(reps - (1 if ph else 0))), ph))
+    # phase: where cuts carry the fewest live bytes on average (a phase > 0 has one cut
+    # fewer inside the region; comparing sums favoured it and merged the last layer into
+    # the epilogue, a block of its own signature to solve and calibrate). Among phases
+    # within 1 % of the fewest, prefer cuts whose values feed a matmul/conv/reduction (a
+    # buffer XLA materialises anyway, e.g. after a residual relu rather than before it).
+    def mean_bytes(ph):
+        cs = [start + ph + j * period for j in range(reps - (1 if ph else 0))]
+        return sum(cut_bytes_all[c] for c in cs) / len(cs)
+    means = {ph: mean_bytes(ph) for ph in range(period)}
+    low = min(means.values())
+    near = [ph for ph in range(period) if means[ph] <= 1.01 * low + 64]
+    uses = _uses(program)
+
+    def feeds_heavy(ph):
+        c = start + ph
+        vals = [v for v in program.ops[c - 1].out_ids] if c > 0 else []
+        return sum(any(program.ops[k].prim.name in _MATERIALISING for k in uses.get(v, ())) for v in vals)
+    best_phase = min(near, key=lambda ph: (-feeds_heavy(ph), ph))
     first = start + best_phase
     nblocks = reps if best_phase == 0 else reps - 1
     return {first + j * period for j in range(nblocks + 1)}
@@ -309,6 +324,7 @@ def block_graph(program: FlatProgram, start: int, stop: int,
 
 
 _VIEWS = {"reshape", "squeeze", "expand_dims"}
+_MATERIALISING = {"dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "reduce_min"}
 _FREE = {"broadcast_in_dim", "iota", "convert_element_type", "reshape", "squeeze", "expand_dims"}
 
 

@@ -64,16 +64,17 @@ def test_remat_auto_checks_the_compiled_program_and_replans_until_it_fits():
     method = autopar.ShardParallel(mesh_shape=(8, 1))
     free = autopar.parallelize(step, method=method, remat="none")
     ma_free = free.lower(state, batch).compile().memory_analysis()[0]
-    budget = int(ma_free.argument_size_in_bytes + 0.5 * ma_free.temp_size_in_bytes)
+    budget = int(ma_free.argument_size_in_bytes + 0.6 * ma_free.temp_size_in_bytes)
     tight = autopar.parallelize(step, method=method, memory_budget=budget, remat="auto")
     plan = tight.get_plan(state, batch)
     r = plan.remat
     assert r["applied"] == "rockmate" and r["measured_fits_budget"], r
     ma = tight.lower(state, batch).compile().memory_analysis()[0]
     assert ma.argument_size_in_bytes + ma.temp_size_in_bytes <= budget
-    assert ma.temp_size_in_bytes == r["measured_temp_bytes"] < 0.8 * ma_free.temp_size_in_bytes
+    assert ma.temp_size_in_bytes == r["measured_temp_bytes"] < 0.9 * ma_free.temp_size_in_bytes
     budgets = [a["activation_budget_bytes"] for a in r["attempts"]]
     assert len(budgets) == r["replans"] + 1 and budgets == sorted(budgets, reverse=True)
+    assert r["replans"] >= 1  # the first schedule (planned from rockmate's prediction) measured over
     for a in r["attempts"][:-1]:  # every re-plan was caused by a measured overshoot
         assert a["measured_argument_bytes"] + a["measured_temp_bytes"] > budget
     (p1, _), loss = tight(state, batch)
