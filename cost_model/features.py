@@ -20,6 +20,8 @@ STATEMENT_FEATURES: tuple[str, ...] = (
     "n_buffers", "n_local_buffers", "reuse_min", "reuse_max",
     "innermost_stride_max", "innermost_stride_nonunit", "write_innermost_stride",
     "local_alloc_bytes", "arithmetic_intensity",
+    # accumulator kept in registers across the innermost reduction loop (0 = none)
+    "register_tile_elems", "register_tile_vectors",
 )
 
 Statement = Mapping[str, float]

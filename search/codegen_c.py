@@ -5,11 +5,12 @@ copied into a small local array before the loop and back after it, so gcc keeps 
 registers instead of loading and storing the output tile on every reduction step."""
 from __future__ import annotations
 
-from .expr import Bin, Const, Expr, Load, Var, affine, to_c, variables
+from .expr import Bin, Const, Expr, Load, Var, affine, simplify, to_c, variables
 from .lower import Alloc, For, Program, Store
 
 KERNEL_SYMBOL = "kernel"
 MAX_REGISTER_TILE = 512  # fp32 elements: the 32 AVX-512 registers hold 512 floats
+MAX_STACK_ELEMS = 16384  # larger per-tile buffers are heap-allocated (OpenMP threads' stacks are small)
 
 
 def _name(buffer_name: str) -> str:
@@ -90,7 +91,7 @@ def _register_tiled(n: For, inner: list[For], st: Store, depth: int, out: list[s
     for lp in reversed(inner):
         ridx = Bin("+", ridx, Bin("*", Var(lp.var), Const(stride, True)))
         stride *= lp.extent
-    r = f"{reg}[{to_c(ridx)}]"
+    r = f"{reg}[{to_c(simplify(ridx))}]"
     dst = f"{_name(st.buffer.name)}[{to_c(st.index)}]"
     out.append(f"{pad}{{")
     out.append(f"{pad}  float {reg}[{stride}] __attribute__((aligned(64)));")
@@ -118,7 +119,15 @@ def _node(n, depth: int, out: list[str]) -> None:
         out.append(f"{pad}for (int {n.var} = 0; {n.var} < {n.extent}; ++{n.var}) {{")
         for c in n.body:
             _node(c, depth + 1, out)
+        for c in n.body:
+            if isinstance(c, Alloc) and c.buffer.size > MAX_STACK_ELEMS:
+                out.append(f"{pad}  free({_name(c.buffer.name)});")
         out.append(f"{pad}}}")
+    elif isinstance(n, Alloc) and n.buffer.size > MAX_STACK_ELEMS:
+        # a restrict heap pointer also lets gcc keep register tiles that read the buffer in
+        # registers (with a large stack array next to them it spilled the accumulators)
+        out.append(f"{pad}float* __restrict {_name(n.buffer.name)} = "
+                   f"(float*)aligned_alloc(64, {(4 * n.buffer.size + 63) // 64 * 64});")
     elif isinstance(n, Alloc):
         out.append(f"{pad}float {_name(n.buffer.name)}[{n.buffer.size}] __attribute__((aligned(64)));")
     elif isinstance(n, Store):

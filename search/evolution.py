@@ -16,7 +16,7 @@ from cost_model import XGBoostCostModel
 
 from .features import statement_features
 from .measure import best_run_s
-from .mutation import checked_program, crossover, mutate
+from .mutation import checked_program, crossover, mutate, structure
 from .record import TuningRecord
 from .schedule import Step
 from .sketch import generate_sketches, sample_schedules
@@ -61,8 +61,8 @@ class EvolutionarySearch:
     """Ansor's evolutionary search guided by a learned cost model."""
 
     def __init__(self, task: Task, cost_model: XGBoostCostModel | None = None, seed: int = 0,
-                 population: int = 48, generations: int = 3, eps_greedy: float = 0.1,
-                 mutation_prob: float = 0.85, elite: int = 8):
+                 population: int = 128, generations: int = 4, eps_greedy: float = 0.1,
+                 mutation_prob: float = 0.85, elite: int = 16):
         self.task = task
         self.model = cost_model if cost_model is not None else XGBoostCostModel(seed=seed)
         self.rng = random.Random(seed)
@@ -112,10 +112,21 @@ class EvolutionarySearch:
         w = [math.exp(min(30.0, (x - mu) / sd)) for x in scores]
         return self.rng.choices(pop, weights=w, k=1)[0]
 
+    def elites(self) -> list[list[Step]]:
+        """The best measured schedules, taken round-robin over sketches (best first in each), so
+        one sketch's near-copies cannot crowd out the others' best."""
+        groups: dict[tuple, list[list[Step]]] = {}
+        for _, s in self.best:
+            groups.setdefault(structure(s), []).append(s)
+        out: list[list[Step]] = []
+        for rank in range(max((len(g) for g in groups.values()), default=0)):
+            out += [g[rank] for g in groups.values() if rank < len(g)]
+        return out[:self.elite]
+
     def evolve(self) -> list[tuple[float, list[Step]]]:
         """Candidates seen during evolution with their scores, best first, unmeasured only."""
         dag = self.task.dag
-        pop = [s for _, s in self.best[:self.elite]]
+        pop = self.elites()
         pop += sample_schedules(self.sketches, dag, self.population - len(pop), self.rng)
         seen: dict[str, tuple[float, list[Step]]] = {}
         for _ in range(self.generations + 1):

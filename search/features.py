@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .expr import Expr, Load, Var, op_counts, rebuild, variables
+from .codegen_c import register_tile
 from .lower import Alloc, For, Program, Store, _linear
 
 
@@ -25,7 +26,7 @@ def _touched(uses: list[bool], loops: list[For], first: int = 0) -> int:
     return n
 
 
-def _statement(st: Store, loops: list[For], local_bytes: int) -> dict[str, float]:
+def _statement(st: Store, loops: list[For], local_bytes: int, register_elems: int = 0) -> dict[str, float]:
     trips = 1
     for lp in loops:
         trips *= lp.extent
@@ -69,6 +70,8 @@ def _statement(st: Store, loops: list[For], local_bytes: int) -> dict[str, float
     f["write_innermost_stride"] = strides[0]
     f["local_alloc_bytes"] = local_bytes
     f["arithmetic_intensity"] = f["flops_total"] / max(total, 1)
+    f["register_tile_elems"] = register_elems
+    f["register_tile_vectors"] = -(-register_elems // 16)
     return f
 
 
@@ -79,17 +82,24 @@ def _loads(e: Expr):
 
 
 def statement_features(prog: Program) -> list[dict[str, float]]:
-    """One feature dict per store statement, in program order."""
+    """One feature dict per store statement, in program order (a statement the C printer keeps in a
+    register tile says how many elements the tile has)."""
     out: list[dict[str, float]] = []
 
-    def walk(nodes, loops: list[For], local_bytes: int) -> None:
+    def walk(nodes, loops: list[For], local_bytes: int, register_elems: int) -> None:
         for n in nodes:
             if isinstance(n, Alloc):
                 local_bytes += 4 * n.buffer.size
             elif isinstance(n, For):
-                walk(n.body, loops + [n], local_bytes)
+                tile = register_tile(n) if n.ann != "parallel" and not register_elems else None
+                elems = register_elems
+                if tile is not None:
+                    elems = 1
+                    for lp in tile[0]:
+                        elems *= lp.extent
+                walk(n.body, loops + [n], local_bytes, elems)
             elif isinstance(n, Store):
-                out.append(_statement(n, loops, local_bytes))
+                out.append(_statement(n, loops, local_bytes, register_elems))
 
-    walk(prog.body, [], 0)
+    walk(prog.body, [], 0, 0)
     return out

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from .expr import Bin, Const, Expr, Load, Var, affine, rebuild, simplify, substitute
 from .schedule import Loop, ScheduleError, State, StageState
 
-MAX_LOCAL_ELEMS = 16384  # per-tile buffers live on the (thread) stack: 64 KiB of fp32 at most
+MAX_LOCAL_ELEMS = 1 << 20  # per-tile buffers: 4 MiB of fp32 at most (over 64 KiB they go on the heap)
 
 
 @dataclass(frozen=True)

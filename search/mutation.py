@@ -12,7 +12,7 @@ from .lower import Program, lower
 from .schedule import ScheduleError, State, Step, apply_step, initial_state, replay
 from .sketch import UNROLL_STEPS, inner_tile_cap, _outer_spatial, compute_location_options, has_data_reuse
 
-STRUCTURE_KINDS = ("split", "follow_split", "reorder", "cache_write", "rfactor", "compute_inline")
+STRUCTURE_KINDS = ("split", "follow_split", "reorder", "cache_write", "cache_read", "rfactor", "compute_inline")
 
 
 _PROGRAMS: dict[tuple[int, str], tuple[ComputeDAG, Program | None]] = {}

@@ -229,6 +229,27 @@ def _cache_write(state: State, st: StageState, step: Step) -> State:
     return replace(state, stages=state.stages[:i] + new + state.stages[i + 1:])
 
 
+def _cache_read(state: State, st: StageState, step: Step) -> State:
+    """`T.read` copies input T and `st` reads the copy instead; computed at a loop of `st`, the
+    copy holds just the region `st` reads below that loop, packed contiguously (a panel)."""
+    tensor = step["tensor"]
+    if tensor not in dict(state.inputs):
+        raise ScheduleError(f"cache_read: {tensor!r} is not an input; inputs are {[n for n, _ in state.inputs]}")
+    if tensor not in st.stage.reads():
+        raise ScheduleError(f"cache_read: {st.name!r} does not read {tensor!r}")
+    name = f"{tensor}.read"
+    if any(o.name == name for o in state.stages):
+        raise ScheduleError(f"cache_read: {tensor!r} already has a read cache")
+    if st.transformed:
+        raise ScheduleError(f"cache_read: apply it to {st.name!r} before its loops are changed")
+    axes = tuple(Axis(f"{tensor}_{d}", n) for d, n in enumerate(dict(state.inputs)[tensor]))
+    copy = Stage(name, axes, Load(tensor, tuple(Var(a.name) for a in axes)))
+    body = rebuild(st.stage.body, lambda n: Load(name, n.index) if isinstance(n, Load) and n.tensor == tensor else n)
+    reader = replace(st, stage=replace(st.stage, body=body))
+    i = state.stages.index(st)
+    return replace(state, stages=state.stages[:i] + (initial_stage_state(copy), reader) + state.stages[i + 1:])
+
+
 def _rfactor(state: State, st: StageState, step: Step) -> State:
     s = st.stage
     lp = st.loop(step["iter"])
@@ -256,7 +277,7 @@ def _pragma(state: State, st: StageState, step: Step) -> State:
 
 _STEPS = {"split": _split, "reorder": _reorder, "fuse": _fuse, "annotate": _annotate,
           "compute_at": _compute_at, "compute_root": _compute_root, "compute_inline": _compute_inline,
-          "cache_write": _cache_write, "rfactor": _rfactor, "pragma": _pragma}
+          "cache_write": _cache_write, "cache_read": _cache_read, "rfactor": _rfactor, "pragma": _pragma}
 
 
 def apply_step(state: State, step: Step, history: list[Step] = ()) -> State:

@@ -3,7 +3,8 @@
 A sketch is a list of steps whose split factors are still open (`"factors": [None, ...]`).
 Rules, applied from the output stage backwards: always-inline element-wise stages,
 multi-level "SSRSRS" tiling for stages with data reuse (fused with an element-wise consumer,
-or behind a cache-write stage), rfactor for plain reductions. Annotation fills tile sizes
+or behind a cache-write stage, optionally with a read cache that packs an operand into
+panels), rfactor for plain reductions. Annotation fills tile sizes
 from factorisations, parallelises fused outer loops, vectorises inner loops, picks unroll
 depth and compute locations."""
 from __future__ import annotations
@@ -37,6 +38,22 @@ def has_data_reuse(stage: Stage) -> bool:
     sp = {a.name for a in stage.axes}
     from .expr import loads
     return any(not sp <= variables(ld) for ld in loads(stage.body))
+
+
+def packable_inputs(state: State, stage: Stage) -> list[str]:
+    """Inputs a reduction reads along a reduction axis with rows of the innermost spatial axis
+    (B[k, j] of a matmul): worth a read cache, which packs the rows a tile reads into a panel."""
+    if not stage.reduce_op or not stage.axes:
+        return []
+    from .expr import loads
+    last, red = stage.axes[-1].name, {a.name for a in stage.reduce_axes}
+    inputs = dict(state.inputs)
+    out = []
+    for ld in loads(stage.body):
+        if ld.tensor in inputs and ld.tensor not in out and variables(ld.index[-1]) == {last} \
+                and any(variables(ix) & red for ix in ld.index[:-1]):
+            out.append(ld.tensor)
+    return out
 
 
 def fusible_consumer(state: State, name: str) -> str | None:
@@ -110,15 +127,23 @@ def generate_sketches(dag: ComputeDAG) -> list[Sketch]:
                 branches.append(("", []))
         elif has_data_reuse(st.stage):
             cons = fusible_consumer(state, name)
+            packs = packable_inputs(state, st.stage)
             if cons is not None:
                 for level in (1, 2):
                     branches.append((f"tile-fuse{level}", _tiling_steps(st) + _fusion_steps(st, cons, level)))
+                reads = [{"kind": "cache_read", "stage": name, "tensor": t} for t in packs]
+                if reads:
+                    branches.append(("pack-tile-fuse1", reads + _tiling_steps(st) + _fusion_steps(st, cons, 1)))
             else:
                 branches.append(("tile", _tiling_steps(st)))
                 local = StageState(replace(st.stage, name=f"{name}.local"), (), ())
+                reads = [{"kind": "cache_read", "stage": local.name, "tensor": t} for t in packs]
                 for level in (1, 2):
                     branches.append((f"cachewrite{level}", [{"kind": "cache_write", "stage": name}]
                                      + _tiling_steps(local) + _fusion_steps(local, name, level)))
+                if reads:
+                    branches.append(("pack-cachewrite1", [{"kind": "cache_write", "stage": name}] + reads
+                                     + _tiling_steps(local) + _fusion_steps(local, name, 1)))
         elif st.stage.reduce_op and len(st.stage.reduce_axes) == 1 and st.stage.reduce_axes[0].extent >= 4:
             k = st.stage.reduce_axes[0].name
             sp = [a.name for a in st.stage.axes]
@@ -166,13 +191,22 @@ def inner_tile_cap(st: StageState, axis: str) -> int:
     return MAX_INNER_REDUCE_TILE if any(a.name == axis for a in st.stage.reduce_axes) else MAX_INNER_TILE
 
 
-def sample_factors(extent: int, n: int, rng: random.Random, max_inner: int = MAX_INNER_TILE) -> list[int]:
-    """n inner tile lengths whose product divides `extent` (innermost at most `max_inner`)."""
+VECTOR_LANES = 16       # fp32 lanes of a 512-bit vector
+VECTOR_TILE_PROB = 0.5  # how often the innermost tile of a stage's last axis is a whole number of vectors
+
+
+def sample_factors(extent: int, n: int, rng: random.Random, max_inner: int = MAX_INNER_TILE,
+                   lanes: int = 0) -> list[int]:
+    """n inner tile lengths whose product divides `extent` (innermost at most `max_inner`; with
+    `lanes`, a multiple of it half of the time when the extent has one)."""
     rest, out = extent, []
     for i in range(n):
         ds = divisors(rest)
         if i == 0:
             ds = [d for d in ds if d <= max_inner]
+            whole = [d for d in ds if lanes and d % lanes == 0]
+            if whole and rng.random() < VECTOR_TILE_PROB:
+                ds = whole
         f = rng.choice(ds)
         out.append(f)
         rest //= f
@@ -227,8 +261,9 @@ def _annotate_once(sketch: Sketch, dag: ComputeDAG, rng: random.Random) -> list[
         if step["kind"] == "split" and None in step["factors"]:
             st = state.stage(step["stage"])
             p = st.prim(st.loop(step["iter"]).prims[0])
+            last_axis = bool(st.stage.axes) and p.axis == st.stage.axes[-1].name
             step = {**step, "factors": sample_factors(p.extent, len(step["factors"]), rng,
-                                                      inner_tile_cap(st, p.axis))}
+                                                      inner_tile_cap(st, p.axis), VECTOR_LANES if last_axis else 0)}
         if step["kind"] == "compute_at":
             attaches.append(step)
         state = apply_step(state, step, steps)

@@ -41,6 +41,7 @@ def test_split_records_tile_lengths_and_loop_extents():
     ({"kind": "annotate", "stage": "C", "iter": "i", "ann": "gpu"}, "unknown annotation"),
     ({"kind": "tile", "stage": "C"}, "unknown step kind"),
     ({"kind": "split", "stage": "D", "iter": "i", "factors": [2]}, "no stage"),
+    ({"kind": "cache_read", "stage": "C", "tensor": "Z"}, "not an input"),
 ])
 def test_bad_steps_are_refused_with_a_reason(step, msg):
     with pytest.raises(ScheduleError, match=msg):
@@ -64,6 +65,29 @@ def test_cache_write_and_compute_at_give_a_tile_buffer():
              {"kind": "compute_at", "stage": "C.local", "target": "C", "iter": "j.0"}]
     src = to_c_source(lower(replay(t.dag, steps)))
     assert "float C_local[128]" in src  # 8 x 16 tile
+
+
+def test_cache_read_packs_the_region_a_tile_reads_into_a_panel():
+    """B.read computed at the j-tile loop holds K x 16 of B (the panel that tile reads), gets
+    rows of 16 contiguous floats, and the kernel still computes A @ B."""
+    import numpy as np
+
+    from search import build
+
+    t = Task.matmul(32, 64, 24)
+    steps = [{"kind": "cache_read", "stage": "C", "tensor": "B"},
+             {"kind": "split", "stage": "C", "iter": "j", "factors": [16]},
+             {"kind": "reorder", "stage": "C", "order": ["j.0", "i", "k", "j.1"]},
+             {"kind": "compute_at", "stage": "B.read", "target": "C", "iter": "j.0"}]
+    k = build(t, steps)
+    assert "float B_read[384]" in k.source  # K=24 rows of the 16 columns of one j tile
+    assert "B_read[((v1_k * 16) + v1_j_1)]" in k.source  # the tile reads the panel row by row
+    a, b = (np.random.default_rng(2).standard_normal(s).astype(np.float32) for _, s in t.input_shapes)
+    np.testing.assert_allclose(k(a, b), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ScheduleError, match="does not read 'B'"):  # C reads B.read now
+        replay(t.dag, steps[:1] + steps[:1])
+    with pytest.raises(ScheduleError, match="before its loops"):
+        replay(t.dag, steps[1:2] + steps[:1])
 
 
 def test_steps_from_json_rejects_non_schedules():
