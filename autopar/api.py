@@ -302,10 +302,6 @@ def _plan_with_remat(fun, args, kwargs, graph, splan, reason, infos, plan_once, 
         # would replicate every activation around it (measured: 9x the per-device temp)
         return rockmate.apply_plan(loss_fn, rplan, boundary_conds=False)
 
-    # checkpoint_name (the `name` primitive) is an identity left in the traced step by the
-    # rescheduled loss; without a rule it is planned replicated and drags activations along
-    from autopar import strategies
-    strategies.RULES.setdefault("name", strategies.RULES["neg"])
     with transform_losses(transform):
         new_graph = _trace(fun, args, kwargs)
     if not used:

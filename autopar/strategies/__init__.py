@@ -21,6 +21,9 @@ Rule = Callable[[Op, tuple, tuple, Any], list[Strategy]]
 
 RULES: dict[str, Rule] = {"dot_general": dot.dot_general_strategies}
 RULES.update({p: elementwise.elementwise_strategies for p in elementwise.ELEMENTWISE_PRIMITIVES})
+# checkpoint_name (the `name` primitive) is an identity that rockmate's rescheduled loss leaves in
+# the step; without a rule it would be planned replicated and drag the activations along
+RULES["name"] = elementwise.elementwise_strategies
 RULES.update({p: reduce.reduce_strategies for p in reduce.REDUCE_PRIMITIVES})
 RULES.update({p: reduce.arg_reduce_strategies for p in reduce.ARG_REDUCE_PRIMITIVES})
 RULES.update({p: reduce.cumulative_strategies for p in reduce.CUMULATIVE_PRIMITIVES})
