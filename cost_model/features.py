@@ -1,6 +1,12 @@
 """Program features for cost models. A program is a list of per-statement feature dicts
 (names in STATEMENT_FEATURES, produced by the search's lowering); models see one fixed-size
-vector per program: the sum and the max over statements of log-scaled statement features."""
+vector per program: the sum and the max over statements of log-scaled statement features.
+
+Work and traffic are made relative to the task's size when a statement carries the
+normalisers in NORMALISERS (flops and iterations per output element, bytes per byte of the
+program's inputs and outputs): within one task that is a constant factor, which a ranking
+model does not see, and across tasks it lets a model trained on one operator rank another's
+programs (cross-task transfer)."""
 from __future__ import annotations
 
 import math
@@ -26,6 +32,19 @@ STATEMENT_FEATURES: tuple[str, ...] = (
 
 Statement = Mapping[str, float]
 
+# normaliser -> the extensive features divided by it
+NORMALISERS: dict[str, tuple[str, ...]] = {
+    "out_elems": ("flops_add", "flops_mul", "flops_div", "flops_cmp", "flops_math", "flops_total", "iterations"),
+    "io_bytes": ("bytes_total",),
+}
+_DIVISOR = {f: n for n, fs in NORMALISERS.items() for f in fs}
+
+
+def _value(s: Statement, k: str) -> float:
+    x = float(s.get(k, 0.0))
+    d = _DIVISOR.get(k)
+    return x / float(s[d]) if d is not None and s.get(d) else x
+
 
 def _scale(x: float) -> float:
     return math.copysign(math.log2(1.0 + abs(x)), x)
@@ -35,7 +54,7 @@ def program_vector(statements: Sequence[Statement]) -> np.ndarray:
     """Sum and max of log-scaled statement features, plus the statement count."""
     if not statements:
         return np.zeros(2 * len(STATEMENT_FEATURES) + 1, dtype=np.float32)
-    m = np.array([[_scale(float(s.get(k, 0.0))) for k in STATEMENT_FEATURES] for s in statements], dtype=np.float32)
+    m = np.array([[_scale(_value(s, k)) for k in STATEMENT_FEATURES] for s in statements], dtype=np.float32)
     return np.concatenate([m.sum(0), m.max(0), [len(statements)]]).astype(np.float32)
 
 

@@ -83,8 +83,11 @@ def _loads(e: Expr):
 
 def statement_features(prog: Program) -> list[dict[str, float]]:
     """One feature dict per store statement, in program order (a statement the C printer keeps in a
-    register tile says how many elements the tile has)."""
+    register tile says how many elements the tile has). Each also carries the program's size
+    (`out_elems`, `io_bytes`), which the cost model divides work and traffic by."""
     out: list[dict[str, float]] = []
+    size = {"out_elems": float(sum(b.size for b in prog.args if b.scope == "output")),
+            "io_bytes": float(4 * sum(b.size for b in prog.args))}
 
     def walk(nodes, loops: list[For], local_bytes: int, register_elems: int) -> None:
         for n in nodes:
@@ -99,7 +102,7 @@ def statement_features(prog: Program) -> list[dict[str, float]]:
                         elems *= lp.extent
                 walk(n.body, loops + [n], local_bytes, elems)
             elif isinstance(n, Store):
-                out.append(_statement(n, loops, local_bytes, register_elems))
+                out.append({**_statement(n, loops, local_bytes, register_elems), **size})
 
     walk(prog.body, [], 0, 0)
     return out

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cost_model import RandomCostModel, XGBoostCostModel, feature_matrix, pairwise_accuracy
+from cost_model.features import STATEMENT_FEATURES, program_vector
 from search import Task
 from search.features import statement_features
 from search.lower import lower
@@ -39,6 +40,24 @@ def test_features_see_annotations():
     assert max(f["innermost_stride_max"] for f in plain) == 32  # B[k, j] walked along k
 
 
+def test_work_and_traffic_are_relative_to_the_task_size():
+    """The same schedule on a matmul twice as large in every dimension: flops per output
+    element double (k doubles) and bytes per io byte stay about the same, so the vectors are
+    close; the raw features are 8x apart."""
+    small, big = Task.matmul(16, 16, 16), Task.matmul(32, 32, 32)
+    fs, fb = (statement_features(lower(replay(t.dag, []))) for t in (small, big))
+    assert sum(f["flops_total"] for f in fb) == 8 * sum(f["flops_total"] for f in fs)
+    assert fs[-1]["out_elems"] == 256 and fb[-1]["io_bytes"] == 4 * 3 * 32 * 32
+    names = list(STATEMENT_FEATURES)
+    col = names.index("flops_total")
+    vs, vb = program_vector(fs), program_vector(fb)
+    assert vb[col] - vs[col] == pytest.approx(np.log2(1 + 2 * 32) - np.log2(1 + 2 * 16), abs=1e-5)
+    bcol = names.index("bytes_total")
+    assert vb[bcol] == pytest.approx(vs[bcol], abs=1e-5)
+    raw = program_vector([{k: v for k, v in f.items() if k not in ("out_elems", "io_bytes")} for f in fb])
+    assert raw[col] - vs[col] > 2.5  # without the normalisers: log2 of about 8x more
+
+
 def test_save_load_round_trip(tmp_path):
     rng = np.random.default_rng(1)
     progs = [[{"flops_total": float(rng.integers(1, 100)), "vector_len": float(rng.integers(0, 16))}]
@@ -59,20 +78,20 @@ def test_save_load_round_trip(tmp_path):
 def test_model_ranks_held_out_measured_candidates_better_than_chance():
     """Train on measured records of one task; report pairwise accuracy on held-out ones."""
     task = Task.matmul(64, 64, 64)
-    scheds = sample_schedules(generate_sketches(task.dag), task.dag, 60, random.Random(11))
+    scheds = sample_schedules(generate_sketches(task.dag), task.dag, 80, random.Random(11))
     m = ProgramMeasurer(task, opts=MeasureOptions(repeats=3, min_time_s=0.002, num_threads=1))
     try:
         recs = m.measure(scheds)
     finally:
         m.close()
     ok = [(s, r.latency_s) for s, r in zip(scheds, recs) if r.ok]
-    assert len(ok) >= 50
+    assert len(ok) >= 70
     feats = [statement_features(lower(replay(task.dag, s))) for s, _ in ok]
     lat = [x for _, x in ok]
     accs, chances = [], []
-    for split in range(4):  # four random 36 / rest splits: one split of ~20 test points is noisy
+    for split in range(6):  # six random 48 / rest splits: one split of ~30 test points is noisy
         order = random.Random(split).sample(range(len(ok)), len(ok))
-        train, test = order[:36], order[36:]
+        train, test = order[:48], order[48:]
         model = XGBoostCostModel(n_rounds=60)
         model.update([feats[i] for i in train], [lat[i] for i in train], [task.workload_key] * len(train))
         accs.append(pairwise_accuracy(model.predict([feats[i] for i in test]), [lat[i] for i in test]))
@@ -80,5 +99,6 @@ def test_model_ranks_held_out_measured_candidates_better_than_chance():
                                          [lat[i] for i in test]))
     acc, chance = float(np.mean(accs)), float(np.mean(chances))
     print(f"held-out pairwise accuracy: xgboost {acc:.3f} (splits {np.round(accs, 3)}), random scores {chance:.3f}")
-    assert acc > 0.6
+    # measured: 0.64-0.67 with 48 training points over three runs, chance 0.51
+    assert acc > 0.55 and acc > chance + 0.05
     assert feature_matrix(feats).shape[0] == len(feats)
