@@ -23,6 +23,9 @@ from .sketch import generate_sketches, sample_schedules
 from .task import Task
 
 
+TRANSFER_PER_TASK = 128  # records of each other task used to pre-train the model
+
+
 def schedule_key(steps: list[Step]) -> str:
     return json.dumps(steps, sort_keys=True)
 
@@ -71,6 +74,7 @@ class EvolutionarySearch:
         self.eps_greedy, self.mutation_prob, self.elite = eps_greedy, mutation_prob, elite
         self.measured: dict[str, float] = {}   # schedule key -> latency (inf when failed)
         self.best: list[tuple[float, list[Step]]] = []
+        self.sketch_best: dict[tuple, float] = {}  # structure -> best latency measured (inf: all failed)
         self._features: dict[str, list[dict[str, float]]] = {}
 
     # ---- cost model ----
@@ -83,6 +87,36 @@ class EvolutionarySearch:
             self._features[k] = statement_features(prog)
         return self._features[k]
 
+    def learn_from(self, records: Sequence[TuningRecord], per_task: int = TRANSFER_PER_TASK) -> int:
+        """Train the cost model on measured records of *other* tasks, one ranking group per
+        task (Ansor keeps one model per tuning job): the first batch is then model-ranked
+        instead of random. Uses each task's best `per_task` records plus an even spread of the
+        rest; returns how many were used."""
+        by_task: dict[str, list[TuningRecord]] = {}
+        for r in records:
+            if r.ok and r.workload_key != self.task.workload_key:
+                by_task.setdefault(r.workload_key, []).append(r)
+        feats, lats, groups = [], [], []
+        for key, recs in by_task.items():
+            recs.sort(key=best_run_s)
+            if len(recs) > per_task:  # the best half, then every k-th of the rest
+                half = per_task // 2
+                rest = recs[half:]
+                recs = recs[:half] + rest[::max(1, len(rest) // (per_task - half))][:per_task - half]
+            try:
+                dag = Task.from_dict(recs[0].task).dag
+            except Exception:
+                continue  # a task this library version cannot build
+            for r in recs:
+                prog = checked_program(dag, r.schedule)
+                if prog is not None:
+                    feats.append(statement_features(prog))
+                    lats.append(best_run_s(r))
+                    groups.append(key)
+        if feats:
+            self.model.update(feats, lats, groups)
+        return len(feats)
+
     def scores(self, pop: list[list[Step]]) -> list[float]:
         return list(self.model.predict([self.features(s) for s in pop]))
 
@@ -92,6 +126,8 @@ class EvolutionarySearch:
         for s, r in zip(schedules, records):
             lat = best_run_s(r)
             self.measured[schedule_key(s)] = lat
+            g = structure(s)
+            self.sketch_best[g] = min(self.sketch_best.get(g, math.inf), lat)
             if r.ok:
                 self.best.append((lat, s))
                 try:
@@ -148,20 +184,47 @@ class EvolutionarySearch:
             pop = nxt or pop
         return sorted(seen.values(), key=lambda x: -x[0])
 
+    def sketch_quota(self, ranked: list[tuple[float, list[Step]]], n: int) -> dict[tuple, int]:
+        """How many of `n` model-ranked slots each sketch gets: in proportion to best measured
+        latency overall / the sketch's best (1 for a sketch not measured yet), largest remainders
+        first. The model ranks well within a sketch and badly across sketches it has seen
+        little of, so no sketch is dropped on its first few unlucky samples."""
+        best = self.sketch_best
+        top = min(best.values(), default=math.inf)
+        groups = list(dict.fromkeys(structure(st) for _, st in ranked))
+        w = {g: (top / best[g] if g in best and math.isfinite(top) else 1.0) for g in groups}
+        total = sum(w.values()) or 1.0
+        exact = {g: n * w[g] / total for g in groups}
+        quota = {g: int(exact[g]) for g in groups}
+        for g in sorted(groups, key=lambda g: quota[g] - exact[g])[:n - sum(quota.values())]:
+            quota[g] += 1
+        return quota
+
     def next_batch(self, n: int) -> list[list[Step]]:
-        """(1 - eps) * n best predicted unmeasured schedules, the rest random (exploration)."""
+        """(1 - eps) * n best predicted unmeasured schedules, spread over sketches by
+        `sketch_quota` (a sketch with too few candidates leaves its slots to the best predicted
+        of the rest), and the rest random (exploration)."""
         cold = getattr(self.model, "n_samples", 1 << 30) < 4
         # without a trained model the first batch is random
         ranked: list[tuple[float, list[Step]]] = [] if cold else self.evolve()
         n_random = max(1, int(round(n * self.eps_greedy))) if ranked else n
         out, keys = [], set()
-        for _, s in ranked:
-            if len(out) >= n - n_random:
-                break
+
+        def take(s: list[Step]) -> bool:
             k = schedule_key(s)
-            if k not in keys:
-                keys.add(k)
-                out.append(s)
+            if k in keys or len(out) >= n - n_random:
+                return False
+            keys.add(k)
+            out.append(s)
+            return True
+
+        quota = self.sketch_quota(ranked, n - n_random) if ranked else {}
+        for _, s in ranked:
+            g = structure(s)
+            if quota.get(g, 0) > 0 and take(s):
+                quota[g] -= 1
+        for _, s in ranked:
+            take(s)
         for _ in range(4):
             for s in sample_schedules(self.sketches, self.task.dag, n - len(out), self.rng):
                 k = schedule_key(s)

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from cost_model import XGBoostCostModel
+
 from .measure import MeasureOptions, ProgramMeasurer, best_run_s
 from .record import TuningRecord
 from .schedule import Step
@@ -52,8 +54,11 @@ def task_gradient(i: int, tasks: Sequence[TaskProgress], alpha: float = 0.2, bet
 def tune_tasks(tasks: Sequence[Task], trials: int, weights: Sequence[float] | None = None, db: Any = None,
                target: str = "cpu", policy: str = "evolutionary", batch_size: int = 16, seed: int = 0,
                eps: float = 0.05, measure_options: MeasureOptions | None = None,
-               callback: Callable[[dict[str, TuneResult]], None] | None = None) -> dict[str, TuneResult]:
-    """Tune several tasks with one budget of `trials`; weights are how often each runs."""
+               callback: Callable[[dict[str, TuneResult]], None] | None = None,
+               transfer: bool = True) -> dict[str, TuneResult]:
+    """Tune several tasks with one budget of `trials`; weights are how often each runs. The
+    evolutionary policies share one cost model (one ranking group per task), as in Ansor; with
+    `transfer` it is first trained on the DB's records of tasks outside this job."""
     _check_target(target)
     if not tasks:
         raise ValueError("tune_tasks: no tasks given")
@@ -63,7 +68,12 @@ def tune_tasks(tasks: Sequence[Task], trials: int, weights: Sequence[float] | No
     rng = random.Random(seed)
     database, owned = open_db(db)
     measurers = [ProgramMeasurer(t, opts=measure_options) for t in tasks]
-    policies = [make_policy(policy, t, seed) for t in tasks]
+    shared = {"cost_model": XGBoostCostModel(seed=seed)} if policy == "evolutionary" else {}
+    policies = [make_policy(policy, t, seed, **shared) for t in tasks]
+    if transfer and shared:
+        keys = {t.workload_key for t in tasks}
+        others = [r for r in database.records(target_key=measurers[0].target_key) if r.workload_key not in keys]
+        policies[0].learn_from(others)
     records: list[list[TuningRecord]] = [[] for _ in tasks]
     best: list[tuple[float, list[Step] | None]] = [(math.inf, None) for _ in tasks]
     curves: list[list[float]] = [[] for _ in tasks]

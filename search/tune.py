@@ -71,10 +71,12 @@ def make_policy(name: str, task: Task, seed: int = 0, **kw) -> SearchPolicy:
 
 def tune(task: Task, target: str = "cpu", trials: int = 64, db: Any = None, policy: str = "evolutionary",
          batch_size: int = 16, seed: int = 0, measure_options: MeasureOptions | None = None,
-         callback: Callable[[TuneResult], None] | None = None, warm_start: bool = True) -> TuneResult:
+         callback: Callable[[TuneResult], None] | None = None, warm_start: bool = True,
+         transfer: bool = True) -> TuneResult:
     """Measure `trials` schedules chosen by `policy`, adding each record to the tuning DB as
     soon as its batch is measured (an interrupted run keeps them). With `warm_start`, records
-    of this task already in the DB seed the cost model and the population."""
+    of this task already in the DB seed the cost model and the population; with `transfer`,
+    the DB's records of other tasks on this target pre-train the cost model."""
     _check_target(target)
     if not isinstance(task, Task):
         raise TypeError(f"tune: expected a search.Task, got {type(task).__name__}; build one with "
@@ -89,6 +91,8 @@ def tune(task: Task, target: str = "cpu", trials: int = 64, db: Any = None, poli
     history: list[tuple[int, float, float]] = []
     best: tuple[float, list[Step] | None] = (float("inf"), None)
     try:
+        if transfer and hasattr(pol, "learn_from"):
+            pol.learn_from(database.records(target_key=measurer.target_key))
         if warm_start:
             old = [r for r in database.records(task.workload_key, measurer.target_key)]
             if old:

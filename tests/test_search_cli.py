@@ -39,3 +39,22 @@ def test_cli_run_tunes_and_stores_records(tmp_path, capsys):
 def test_cli_reports_bad_shapes_with_exit_code_2(tmp_path, capsys):
     assert tune_cmd.run(_args(tmp_path, shape="4")) == 2
     assert "softmax takes M,N" in capsys.readouterr().err
+
+
+def test_cli_no_transfer_reaches_tune(tmp_path, monkeypatch):
+    import search
+
+    seen = {}
+    real = search.tune
+
+    def spy(*a, **kw):
+        seen["transfer"] = kw.get("transfer")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(search, "tune", spy)
+    p = argparse.ArgumentParser()
+    tune_cmd.add_arguments(p)
+    base = ["--task", "softmax", "--shape", "4,16", "--trials", "4", "--batch-size", "4",
+            "--db", str(tmp_path / "db.sqlite")]
+    assert tune_cmd.run(p.parse_args(base + ["--no-transfer"])) == 0 and seen["transfer"] is False
+    assert tune_cmd.run(p.parse_args(base)) == 0 and seen["transfer"] is True

@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default=None, help="tuning database path (default: AUTOPAR_TUNING_DB or the "
                                                    "user cache directory)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-transfer", dest="transfer", action="store_false",
+                        help="do not pre-train the cost model on the DB's records of other tasks")
     parser.add_argument("--show-source", action="store_true", help="print the C source of the best kernel")
 
 
@@ -85,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             res = search.tune(task, trials=args.trials, db=args.db, policy=args.policy,
-                              batch_size=args.batch_size, seed=args.seed, callback=on_batch)
+                              batch_size=args.batch_size, seed=args.seed, callback=on_batch,
+                              transfer=args.transfer)
         except KeyboardInterrupt:
             console.print("interrupted: every measured batch is already in the tuning database")
             return 130
