@@ -142,9 +142,11 @@ def min_bytes(task: Task) -> int:
     return 4 * n
 
 
-def tuning_run(task: Task, policy: str, trials: int, db: str, checkpoints=(64, 256)) -> dict:
+def tuning_run(task: Task, policy: str, trials: int, db: str, checkpoints=(64, 256), seed: int = 0,
+               transfer: bool = True) -> dict:
     opts = MeasureOptions(repeats=5, min_time_s=0.05, max_time_s=0.6, run_timeout_s=15.0)
-    res = tune(task, trials=trials, db=db, policy=policy, batch_size=16, measure_options=opts, warm_start=False)
+    res = tune(task, trials=trials, db=db, policy=policy, batch_size=16, measure_options=opts, warm_start=False,
+               seed=seed, transfer=transfer)
     out = {"trials": res.trials, "tuning_time_s": res.tuning_time_s,
            "errors": sum(1 for r in res.records if not r.ok)}
     for c in checkpoints:
@@ -181,7 +183,9 @@ def main() -> None:
         result["workloads"][w] = entry
         for policy, trials in (("evolutionary", args.trials), ("random", args.random_trials)):
             if trials > 0:
-                entry[policy] = tuning_run(task, policy, trials, db)
+                # one DB per policy: the evolutionary runs' cost model learns from earlier
+                # workloads' records (transfer), and only from those it measured itself
+                entry[policy] = tuning_run(task, policy, trials, db.replace(".sqlite", f"_{policy}.sqlite"))
                 with open(OUT, "w") as f:
                     json.dump(result, f, indent=1)
                 print(w, policy, json.dumps(entry[policy]), flush=True)
