@@ -10,9 +10,9 @@ from cost_model.features import STATEMENT_FEATURES, program_vector
 from search import Task
 from search.features import statement_features
 from search.lower import lower
-from search.measure import MeasureOptions, ProgramMeasurer
 from search.schedule import replay
-from search.sketch import generate_sketches, sample_schedules
+
+from measured import measured_candidates
 
 
 def test_pairwise_accuracy_matches_brute_force():
@@ -78,19 +78,11 @@ def test_save_load_round_trip(tmp_path):
 def test_model_ranks_held_out_measured_candidates_better_than_chance():
     """Train on measured records of one task; report pairwise accuracy on held-out ones."""
     task = Task.matmul(64, 64, 64)
-    scheds = sample_schedules(generate_sketches(task.dag), task.dag, 80, random.Random(11))
-    m = ProgramMeasurer(task, opts=MeasureOptions(repeats=3, min_time_s=0.002, num_threads=1))
-    try:
-        recs = m.measure(scheds)
-    finally:
-        m.close()
-    ok = [(s, r.latency_s) for s, r in zip(scheds, recs) if r.ok]
-    assert len(ok) >= 70
-    feats = [statement_features(lower(replay(task.dag, s))) for s, _ in ok]
-    lat = [x for _, x in ok]
+    feats, lat = measured_candidates(task, 80, 11)
+    assert len(lat) >= 70
     accs, chances = [], []
     for split in range(6):  # six random 48 / rest splits: one split of ~30 test points is noisy
-        order = random.Random(split).sample(range(len(ok)), len(ok))
+        order = random.Random(split).sample(range(len(lat)), len(lat))
         train, test = order[:48], order[48:]
         model = XGBoostCostModel(n_rounds=60)
         model.update([feats[i] for i in train], [lat[i] for i in train], [task.workload_key] * len(train))

@@ -8,12 +8,11 @@ from cost_model import RandomCostModel, XGBoostCostModel, pairwise_accuracy
 from search import Task, tune, tune_tasks
 from search.database import TuningDB
 from search.evolution import EvolutionarySearch
-from search.features import statement_features
-from search.lower import lower
-from search.measure import MeasureOptions, ProgramMeasurer
+from search.measure import MeasureOptions
 from search.record import TuningRecord
-from search.schedule import replay
 from search.sketch import generate_sketches, sample_schedules
+
+from measured import measured_candidates
 
 FAST = MeasureOptions(repeats=2, min_time_s=0.0)
 
@@ -81,23 +80,13 @@ def test_model_trained_on_other_tasks_ranks_a_new_one_better_than_chance():
     32x128x96 matmul's (pairwise accuracy reported). Size-normalised features make shapes
     comparable; one source task alone is not enough here (about 0.50-0.58 measured), two give
     0.63-0.66."""
-    def measured(task: Task, n: int, seed: int):
-        scheds = sample_schedules(generate_sketches(task.dag), task.dag, n, random.Random(seed))
-        m = ProgramMeasurer(task, opts=MeasureOptions(repeats=3, min_time_s=0.002, num_threads=1))
-        try:
-            recs = m.measure(scheds)
-        finally:
-            m.close()
-        ok = [(s, r.latency_s) for s, r in zip(scheds, recs) if r.ok]
-        return [statement_features(lower(replay(task.dag, s))) for s, _ in ok], [x for _, x in ok]
-
     srcs, dst = [Task.matmul(64, 64, 64), Task.matmul(128, 32, 64)], Task.matmul(32, 128, 96)
     xf, xl, xg = [], [], []
     for i, t in enumerate(srcs):
-        f, lat = measured(t, 48, 21 + i)
+        f, lat = measured_candidates(t, 48, 21 + i)
         assert len(lat) >= 40
         xf, xl, xg = xf + f, xl + lat, xg + [t.workload_key] * len(f)
-    yf, yl = measured(dst, 48, 22)
+    yf, yl = measured_candidates(dst, 48, 22)
     assert len(yl) >= 40
     accs = []
     for seed in range(3):
