@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import subprocess
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -45,7 +47,9 @@ class Backend(Protocol):
 
 
 class CBackend:
-    """Plain C with OpenMP pragmas, compiled by the system C compiler, loaded with ctypes."""
+    """Plain C with OpenMP pragmas, compiled by the system C compiler, loaded with ctypes.
+    Without a `workdir` it builds in a temporary directory of its own, removed by `close()` or
+    when the backend is garbage-collected (a loaded kernel keeps working: its code is mapped)."""
 
     name = "c"
 
@@ -54,12 +58,20 @@ class CBackend:
         self._workdir = workdir
         self.n_parallel = n_parallel or max(1, os.cpu_count() or 1)
         self._count = 0
+        self._cleanup: weakref.finalize | None = None
 
     @property
     def workdir(self) -> str:
         if self._workdir is None:
             self._workdir = tempfile.mkdtemp(prefix="autopar_kernels_")
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self._workdir, ignore_errors=True)
         return self._workdir
+
+    def close(self) -> None:
+        """Remove the temporary build directory (if this backend made one)."""
+        if self._cleanup is not None:
+            self._cleanup()
+            self._cleanup, self._workdir = None, None
 
     def target(self) -> dict[str, Any]:
         t = cpu_target(self.compiler)

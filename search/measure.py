@@ -108,6 +108,7 @@ class ProgramMeasurer:
 
     def __init__(self, task: Task, backend: CBackend | None = None, opts: MeasureOptions | None = None):
         self.task = task
+        self._owns_backend = backend is None
         self.backend = backend or CBackend()
         self.opts = opts or MeasureOptions()
         self.runner = Runner(task, self.opts)
@@ -152,3 +153,5 @@ class ProgramMeasurer:
 
     def close(self) -> None:
         self.runner.close()
+        if self._owns_backend:
+            self.backend.close()

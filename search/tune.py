@@ -121,8 +121,8 @@ def tune(task: Task, target: str = "cpu", trials: int = 64, db: Any = None, poli
 class Kernel:
     """A compiled schedule: `kernel(*inputs) -> output`, inputs in `task.input_shapes` order."""
 
-    def __init__(self, task: Task, schedule: list[Step], source: str, fn: Callable[..., None], path: str):
-        self.task, self.schedule, self.source, self._fn, self.path = task, schedule, source, fn, path
+    def __init__(self, task: Task, schedule: list[Step], source: str, fn: Callable[..., None]):
+        self.task, self.schedule, self.source, self._fn = task, schedule, source, fn
 
     def __call__(self, *inputs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         specs = self.task.input_shapes
@@ -153,8 +153,11 @@ def build(task: Task, schedule: list[Step] | None, target: str = "cpu") -> Kerne
     source = backend.source(replay(task.dag, schedule))
     res = backend.build([source])[0]
     if res.error:
+        backend.close()
         raise RuntimeError(f"build: compiling the kernel for {task} failed: {res.error}")
-    return Kernel(task, schedule, source, backend.load(res.path, len(task.input_shapes) + 1), res.path)
+    fn = backend.load(res.path, len(task.input_shapes) + 1)
+    backend.close()  # the loaded library stays mapped; nothing is left on disk
+    return Kernel(task, schedule, source, fn)
 
 
 def best_schedule(task: Task, db: Any = None, target: str = "cpu") -> list[Step] | None:

@@ -90,3 +90,21 @@ def test_tune_tasks_spends_one_budget_over_all_tasks(tmp_path):
     counts = [out[t.workload_key].trials for t in tasks]
     assert sum(counts) == 12 and min(counts) >= 4
     assert all(out[t.workload_key].best_schedule is not None for t in tasks)
+
+
+def test_tuning_and_building_leave_no_build_files_behind(tmp_path, monkeypatch):
+    """Build directories are temporary: after tune() and build() the temp dir holds nothing of
+    ours, and the built kernel still runs (its library stays mapped)."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    task = Task.matmul(16, 16, 8)
+    res = tune(task, trials=4, db=str(tmp_path / "db.sqlite"), batch_size=4, measure_options=FAST,
+               policy="random")
+    kernel = build(task, res.best_schedule)
+    assert list(scratch.iterdir()) == []
+    ins = task.random_inputs(3)
+    out = kernel(*[ins[n] for n, _ in task.input_shapes])
+    assert np.allclose(out, task.reference(ins), rtol=1e-4, atol=1e-5)
