@@ -31,13 +31,19 @@ def _pragma(n: For) -> str | None:
     return None
 
 
-def _store_line(n: Store, dst: str) -> str:
+def _guard(n: Store) -> str:
+    return " && ".join(f"{to_c(e)} < {bound}" for e, bound in n.guard)
+
+
+def _store_line(n: Store, dst: str, guarded: bool = True) -> str:
     val = to_c(n.value, _load)
     if n.reduce_op == "sum":
-        return f"{dst} += {val};"
-    if n.reduce_op == "max":
-        return f"{dst} = fmaxf({dst}, {val});"
-    return f"{dst} = {val};"
+        line = f"{dst} += {val};"
+    elif n.reduce_op == "max":
+        line = f"{dst} = fmaxf({dst}, {val});"
+    else:
+        line = f"{dst} = {val};"
+    return f"if ({_guard(n)}) {line}" if guarded and n.guard else line
 
 
 def register_tile(n: For) -> tuple[list[For], Store] | None:
@@ -95,14 +101,15 @@ def _register_tiled(n: For, inner: list[For], st: Store, depth: int, out: list[s
     dst = f"{_name(st.buffer.name)}[{to_c(st.index)}]"
     out.append(f"{pad}{{")
     out.append(f"{pad}  float {reg}[{stride}] __attribute__((aligned(64)));")
-    _nest(inner, f"{r} = {dst};", depth + 1, out)
+    # a padded output tile accumulates in registers everywhere but loads and stores only inside
+    _nest(inner, f"{r} = ({_guard(st)}) ? {dst} : 0.0f;" if st.guard else f"{r} = {dst};", depth + 1, out)
     prag = _pragma(n)
     if prag:
         out.append(f"{pad}  {prag}")
     out.append(f"{pad}  for (int {n.var} = 0; {n.var} < {n.extent}; ++{n.var}) {{")
-    _nest(inner, _store_line(st, r), depth + 2, out)
+    _nest(inner, _store_line(st, r, guarded=False), depth + 2, out)
     out.append(f"{pad}  }}")
-    _nest(inner, f"{dst} = {r};", depth + 1, out)
+    _nest(inner, f"if ({_guard(st)}) {dst} = {r};" if st.guard else f"{dst} = {r};", depth + 1, out)
     out.append(f"{pad}}}")
 
 

@@ -38,7 +38,7 @@ class Load(Expr):
 
 @dataclass(frozen=True, eq=True)
 class Bin(Expr):
-    op: str  # + - * / max min  and (integer) idiv mod
+    op: str  # + - * / max min  and (integer) idiv mod imin
     a: Expr
     b: Expr
 
@@ -246,6 +246,9 @@ def to_c(e: Expr, load: Callable[[Load], str] | None = None) -> str:
                 return f"fmaxf({p(n.a)}, {p(n.b)})"
             if n.op == "min":
                 return f"fminf({p(n.a)}, {p(n.b)})"
+            if n.op == "imin":  # integer clamp of an index
+                a, b = p(n.a), p(n.b)
+                return f"({a} < {b} ? {a} : {b})"
             if n.op == "idiv":
                 return f"({p(n.a)} / {p(n.b)})"
             if n.op == "mod":

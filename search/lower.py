@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .expr import Bin, Const, Expr, Load, Var, affine, rebuild, simplify, substitute
+from .expr import Bin, Const, Expr, Load, Var, affine, rebuild, simplify, substitute, variables
 from .schedule import Loop, ScheduleError, State, StageState
 
 MAX_LOCAL_ELEMS = 1 << 20  # per-tile buffers: 4 MiB of fp32 at most (over 64 KiB they go on the heap)
@@ -46,6 +46,7 @@ class Store:
     value: Expr  # loads carry one flat index each
     reduce_op: str | None
     stage: str
+    guard: tuple[tuple[Expr, int], ...] = ()  # store only where every `expr < bound` (padded output tiles)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class _Lowering:
         self.extent: dict[str, dict[str, int]] = {}    # stage -> prim -> adjusted extent
         self.var: dict[tuple[str, str], str] = {}      # (stage, loop) -> C variable
         self.buffers: dict[str, Buffer] = {}
+        self.unsafe: dict[str, set[str]] = {}          # stage -> axes whose values may pass their extent
         for n, shp in state.inputs:
             self.buffers[n] = Buffer(n, shp, "input")
         for s in self.live:
@@ -121,6 +123,7 @@ class _Lowering:
     # ---- bound inference ----
     def infer(self, s: StageState) -> None:
         axes = s.stage.axes
+        unsafe: set[str] = set()
         if s.attach is None:
             self.base[s.name] = {}
             self.region[s.name] = {a.name: a.extent for a in axes}
@@ -128,6 +131,7 @@ class _Lowering:
             tgt, lpname = s.attach
             lo: list[Expr | None] = [None] * len(axes)
             ext = [0] * len(axes)
+            over: set[int] = set()  # dims a padded consumer may read past the end of
             for q in self.live:
                 if s.name not in q.stage.reads():
                     continue
@@ -141,6 +145,8 @@ class _Lowering:
                 fixed, span = self.axis_parts(q, upto)
                 for ld in _loads_of(q.stage.body, s.name):
                     for d, ix in enumerate(ld.index):
+                        if variables(ix) & self.unsafe[q.name]:
+                            over.add(d)
                         coeffs, const = affine(ix)
                         start: Expr = Const(const, True)
                         width = 0
@@ -157,29 +163,36 @@ class _Lowering:
                         ext[d] = max(ext[d], width + 1)
             self.base[s.name] = {a.name: lo[d] for d, a in enumerate(axes)}
             self.region[s.name] = {a.name: min(ext[d], a.extent) for d, a in enumerate(axes)}
+            unsafe = {axes[d].name for d in over}
         # propagate region extents to the outermost split of each axis
         ext: dict[str, int] = {}
+        covered: dict[str, int] = {}
         for a in s.stage.axes + s.stage.reduce_axes:
             r = self.region[s.name].get(a.name, a.extent)
             # innermost splits keep their extents while they fit in the region, the next one
-            # covers the rest, outer ones shrink to 1 (the consumer's loops iterate them)
+            # covers the rest (padded past it when the inner tiles do not divide it), outer
+            # ones shrink to 1 (the consumer's loops iterate them)
             prims = sorted(((n, p) for n, p in s.prims if p.axis == a.name), key=lambda x: x[1].stride)
             cum = 1
             for k, (n, p) in enumerate(prims):
                 if k == len(prims) - 1 or cum * p.extent > r:
-                    if r % cum:
-                        raise ScheduleError(f"stage {s.name!r}: region {r} of axis {a.name!r} is not a multiple "
-                                            f"of its inner tiles ({cum}) at its compute location")
-                    ext[n] = min(p.extent, r // cum) if k < len(prims) - 1 else r // cum
+                    ext[n] = min(p.extent, -(-r // cum)) if k < len(prims) - 1 else -(-r // cum)
                     cum *= ext[n]
                 else:
                     ext[n] = p.extent
                     cum *= p.extent
-            if cum != r:
+            if cum < r:
                 raise ScheduleError(f"stage {s.name!r}: tiles of axis {a.name!r} do not cover its region {r}")
+            if cum > r:
+                if any(a is x for x in s.stage.reduce_axes):
+                    raise ScheduleError(f"stage {s.name!r}: reduction axis {a.name!r} would be padded "
+                                        f"from {r} to {cum}; its tiles must divide it")
+                unsafe.add(a.name)
+            covered[a.name] = cum
         self.extent[s.name] = ext
+        self.unsafe[s.name] = unsafe
         if s.attach is not None:
-            shape = tuple(self.region[s.name][a.name] for a in axes)
+            shape = tuple(covered[a.name] for a in axes)
             scope = "local"
             n = 1
             for d in shape:
@@ -187,8 +200,10 @@ class _Lowering:
             if n > MAX_LOCAL_ELEMS:
                 raise ScheduleError(f"stage {s.name!r}: tile buffer of {n} elements at its compute location "
                                     f"exceeds {MAX_LOCAL_ELEMS}; attach it deeper")
+        elif s.name == self.state.output:
+            shape, scope = s.stage.shape, "output"  # padded iterations are not stored (guards)
         else:
-            shape, scope = s.stage.shape, ("output" if s.name == self.state.output else "global")
+            shape, scope = tuple(covered[a.name] for a in axes), "global"
         self.buffers[s.name] = Buffer(s.name, shape, scope)
 
     # ---- expressions ----
@@ -204,7 +219,17 @@ class _Lowering:
         return _fold_affine(out)
 
     def lower_value(self, s: StageState, values: dict[str, Expr]) -> Expr:
-        body = substitute(s.stage.body, values)
+        body = s.stage.body
+        if self.unsafe[s.name]:  # padded iterations read the last element instead of past the end
+            def clamp(n: Expr) -> Expr:
+                if not isinstance(n, Load):
+                    return n
+                shape = self.state.shape_of(n.tensor)
+                return Load(n.tensor, tuple(Bin("imin", ix, Const(shape[d] - 1, True))
+                                            if variables(ix) & self.unsafe[s.name] else ix
+                                            for d, ix in enumerate(n.index)))
+            body = rebuild(body, clamp)
+        body = substitute(body, values)
         return rebuild(body, lambda n: Load(n.tensor, (self.flat(n.tensor, n.index),)) if isinstance(n, Load) else n)
 
     # ---- loop nests ----
@@ -240,11 +265,13 @@ class _Lowering:
         values, _ = self.axis_parts(s, len(loops))
         buf = self.buffers[s.name]
         index = self.flat(s.name, tuple(values[a.name] for a in s.stage.axes))
-        store = Store(buf, index, self.lower_value(s, values), s.stage.reduce_op, s.name)
+        guard = tuple((values[a.name], a.extent) for a in s.stage.axes
+                      if a.name in self.unsafe[s.name]) if buf.scope == "output" else ()
+        store = Store(buf, index, self.lower_value(s, values), s.stage.reduce_op, s.name, guard)
         first_red = next((i for i, lp in enumerate(loops) if s.is_reduce_loop(lp)), None)
 
         def init_nest(level: int) -> list:
-            node = [Store(buf, index, IDENTITY[s.stage.reduce_op], None, s.name)]
+            node = [Store(buf, index, IDENTITY[s.stage.reduce_op], None, s.name, guard)]
             for li in range(len(loops) - 1, level - 1, -1):
                 if not s.is_reduce_loop(loops[li]):
                     a = anns[li] if anns[li] in ("vectorize", "unroll") else "none"

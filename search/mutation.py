@@ -4,13 +4,15 @@ replayed and lowered; an operator returns None when it cannot produce a valid sc
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import replace
 
 from .compute import ComputeDAG
 from .lower import Program, lower
-from .schedule import ScheduleError, State, Step, apply_step, initial_state, replay
-from .sketch import UNROLL_STEPS, inner_tile_cap, _outer_spatial, compute_location_options, has_data_reuse
+from .schedule import ScheduleError, State, Step, apply_step, initial_state, replay, split_lengths
+from .sketch import (UNROLL_STEPS, _outer_spatial, compute_location_options, divisors, has_data_reuse,
+                     inner_tile_cap, may_pad, padded_tile_options)
 
 STRUCTURE_KINDS = ("split", "follow_split", "reorder", "cache_write", "cache_read", "rfactor", "compute_inline")
 
@@ -57,7 +59,8 @@ def _prime_factors(n: int) -> list[int]:
 
 
 def mutate_tile_size(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> list[Step] | None:
-    """Move a prime factor of one tile length to another level of the same split."""
+    """Move a prime factor of one tile length to another level of the same split; for row axes of
+    register-tiled stages, sometimes change the innermost tile to one that pads the axis (or back)."""
     idx = [i for i, s in enumerate(steps) if s["kind"] == "split"]
     if not idx:
         return None
@@ -66,15 +69,24 @@ def mutate_tile_size(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> 
     prim = st.prim(st.loop(steps[i]["iter"]).prims[0])
     extent = prim.extent
     f = list(steps[i]["factors"])
-    inner = 1
-    for x in f:
-        inner *= x
-    lengths = [extent // inner] + f
-    src = [k for k, x in enumerate(lengths) if x > 1]
-    if not src:
+    try:
+        lengths = split_lengths(extent, f)
+    except ScheduleError:
+        return None
+    if f and may_pad(st, prim.axis) and rng.random() < 0.25:
+        new = _retile_innermost(extent, f, inner_tile_cap(st, prim.axis), rng)
+        if new is None:
+            return None
+        out = list(steps)
+        out[i] = {**steps[i], "factors": new}
+        return _valid(dag, out)
+    padded = extent % lengths[-1] != 0
+    movable = range(len(lengths) - 1) if padded else range(len(lengths))  # a padded innermost tile stays
+    src = [k for k in movable if lengths[k] > 1]
+    if not src or len(movable) < 2:
         return None
     a = rng.choice(src)
-    b = rng.choice([k for k in range(len(lengths)) if k != a])
+    b = rng.choice([k for k in movable if k != a])
     d = rng.choice(_prime_factors(lengths[a]))
     lengths[a] //= d
     lengths[b] *= d
@@ -83,6 +95,22 @@ def mutate_tile_size(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> 
     out = list(steps)
     out[i] = {**steps[i], "factors": lengths[1:]}
     return _valid(dag, out)
+
+
+def _retile_innermost(extent: int, factors: list[int], cap: int, rng: random.Random) -> list[int] | None:
+    """`factors` with a new innermost tile (padded or a divisor); the middle ones shrink to what
+    still divides the padded extent."""
+    options = [d for d in padded_tile_options(extent) + divisors(extent) if d <= cap and d != factors[-1]]
+    if not options:
+        return None
+    v = rng.choice(options)
+    rest = -(-extent // v)
+    middle = []
+    for x in factors[:-1]:
+        g = math.gcd(x, rest)
+        middle.append(g)
+        rest //= g
+    return middle + [v]
 
 
 def mutate_parallel(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> list[Step] | None:

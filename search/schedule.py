@@ -102,21 +102,45 @@ def initial_state(dag: ComputeDAG) -> State:
 
 # ---------------------------------------------------------------- steps
 
+def split_lengths(extent: int, factors: list[int], padding: bool = True) -> list[int]:
+    """Loop lengths (outermost first) of splitting `extent` by inner `factors`.
+
+    The factors' product divides the extent, or (with `padding`, for spatial axes) only the
+    innermost factor f does not: the loop then covers ceil(extent / f) * f iterations, fewer than
+    extent + f, and the other factors divide ceil(extent / f). This gives register tiles such as
+    6 rows of a 1024-row matmul; lowering pads the stage's buffer or guards its stores and
+    clamps its loads, so the extra iterations compute values that are never stored."""
+    if any(f <= 0 for f in factors):
+        raise ScheduleError(f"split factors must be positive, got {factors}")
+    inner = 1
+    for f in factors:
+        inner *= f
+    if extent % inner == 0:
+        return [extent // inner] + list(factors)
+    if not padding:
+        raise ScheduleError(f"factors {factors} (product {inner}) do not divide extent {extent} "
+                            f"(a reduction axis cannot be padded)")
+    rows = -(-extent // factors[-1])
+    if rows % (inner // factors[-1]):
+        raise ScheduleError(f"factors {factors} do not divide extent {extent}, and with the innermost "
+                            f"tile {factors[-1]} padded the others must divide {rows}")
+    return [rows // (inner // factors[-1])] + list(factors)
+
+
 def _split(state: State, st: StageState, step: Step) -> State:
     lp = st.loop(step["iter"])
     if len(lp.prims) != 1:
         raise ScheduleError(f"split: loop {lp.name!r} of {st.name!r} is fused; split before fusing")
     p = st.prim(lp.prims[0])
     factors = [int(f) for f in step["factors"]]
+    reduce = any(a.name == p.axis for a in st.stage.reduce_axes)
+    try:
+        lengths = split_lengths(p.extent, factors, padding=not reduce)
+    except ScheduleError as e:
+        raise ScheduleError(f"split of loop {lp.name!r} in stage {st.name!r}: {e}") from None
     inner = 1
     for f in factors:
-        if f <= 0:
-            raise ScheduleError(f"split: factors must be positive, got {factors}")
         inner *= f
-    if p.extent % inner:
-        raise ScheduleError(f"split: factors {factors} (product {inner}) do not divide extent {p.extent} "
-                            f"of loop {lp.name!r} in stage {st.name!r}")
-    lengths = [p.extent // inner] + factors
     new_prims, new_loops, stride = [], [], p.stride * inner
     for k, ext in enumerate(lengths):
         name = f"{lp.name}.{k}"

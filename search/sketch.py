@@ -193,15 +193,34 @@ def inner_tile_cap(st: StageState, axis: str) -> int:
 
 VECTOR_LANES = 16       # fp32 lanes of a 512-bit vector
 VECTOR_TILE_PROB = 0.5  # how often the innermost tile of a stage's last axis is a whole number of vectors
+PADDED_TILES = range(3, 9)  # register-tile rows that need not divide the extent (6 x 64 fills 24 registers)
+PADDED_TILE_PROB = 0.3      # how often such an axis gets one, when the extent has a non-divisor there
+
+
+def may_pad(st: StageState, axis: str) -> bool:
+    """Padded inner tiles are sampled for the row axes of register-tiled stages (data reuse): a
+    spatial axis that is not the innermost (vector) one."""
+    sp = [a.name for a in st.stage.axes]
+    return has_data_reuse(st.stage) and axis in sp[:-1]
+
+
+def padded_tile_options(extent: int) -> list[int]:
+    return [d for d in PADDED_TILES if extent % d]
 
 
 def sample_factors(extent: int, n: int, rng: random.Random, max_inner: int = MAX_INNER_TILE,
-                   lanes: int = 0) -> list[int]:
+                   lanes: int = 0, pad: bool = False) -> list[int]:
     """n inner tile lengths whose product divides `extent` (innermost at most `max_inner`; with
-    `lanes`, a multiple of it half of the time when the extent has one)."""
+    `lanes`, a multiple of it half of the time when the extent has one). With `pad`, sometimes
+    an innermost tile that does not divide it; the others then divide ceil(extent / tile)."""
     rest, out = extent, []
     for i in range(n):
         ds = divisors(rest)
+        if i == 0 and pad and padded_tile_options(rest) and rng.random() < PADDED_TILE_PROB:
+            f = rng.choice(padded_tile_options(rest))
+            out.append(f)
+            rest = -(-rest // f)
+            continue
         if i == 0:
             ds = [d for d in ds if d <= max_inner]
             whole = [d for d in ds if lanes and d % lanes == 0]
@@ -263,7 +282,8 @@ def _annotate_once(sketch: Sketch, dag: ComputeDAG, rng: random.Random) -> list[
             p = st.prim(st.loop(step["iter"]).prims[0])
             last_axis = bool(st.stage.axes) and p.axis == st.stage.axes[-1].name
             step = {**step, "factors": sample_factors(p.extent, len(step["factors"]), rng,
-                                                      inner_tile_cap(st, p.axis), VECTOR_LANES if last_axis else 0)}
+                                                      inner_tile_cap(st, p.axis), VECTOR_LANES if last_axis else 0,
+                                                      pad=may_pad(st, p.axis))}
         if step["kind"] == "compute_at":
             attaches.append(step)
         state = apply_step(state, step, steps)

@@ -33,7 +33,8 @@ def test_split_records_tile_lengths_and_loop_extents():
 
 
 @pytest.mark.parametrize("step, msg", [
-    ({"kind": "split", "stage": "C", "iter": "i", "factors": [5]}, "do not divide"),
+    ({"kind": "split", "stage": "C", "iter": "k", "factors": [5]}, "reduction axis cannot be padded"),
+    ({"kind": "split", "stage": "C", "iter": "i", "factors": [3, 5]}, "others must divide 13"),
     ({"kind": "split", "stage": "C", "iter": "q", "factors": [2]}, "no loop"),
     ({"kind": "fuse", "stage": "C", "iters": ["i", "k"]}, "not adjacent"),
     ({"kind": "fuse", "stage": "C", "iters": ["j", "k"]}, "spatial and reduction"),
