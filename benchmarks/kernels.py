@@ -23,7 +23,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from search import Task, tune  # noqa: E402
+from search import Task, build, tune  # noqa: E402
 from search.measure import MeasureOptions  # noqa: E402
 
 WORKLOADS = {
@@ -49,8 +49,18 @@ def _time(fn, min_runs: int = 5, min_time_s: float = 0.3) -> float:
     return float(np.min(ts))
 
 
+def xla_callable(task: Task):
+    """A no-argument call of the operator under jax.jit on this task's seeded inputs."""
+    return _reference_fns(task)[0]
+
+
 def baselines(task: Task) -> dict[str, float]:
     """XLA (jax.jit on CPU) and numpy latencies of the same operator, fp32."""
+    xla, np_fn = _reference_fns(task)
+    return {"xla_s": _time(xla), "numpy_s": _time(np_fn, min_runs=3)}
+
+
+def _reference_fns(task: Task):
     import jax
     import jax.numpy as jnp
 
@@ -81,9 +91,26 @@ def baselines(task: Task) -> dict[str, float]:
         raise ValueError(task.op)
     jitted = jax.jit(jf)
     dargs = [jnp.asarray(a) for a in args]
-    xla_s = _time(lambda: jitted(*dargs).block_until_ready())
-    numpy_s = _time(lambda: nf(*args), min_runs=3)
-    return {"xla_s": xla_s, "numpy_s": numpy_s}
+    return (lambda: jitted(*dargs).block_until_ready()), (lambda: nf(*args))
+
+
+def head_to_head(task: Task, schedules: dict[str, list], rounds: int = 5) -> dict[str, float]:
+    """XLA and the best kernel of each policy timed in turn, `rounds` times, fastest call of each.
+    Tuning runs and the XLA baseline are minutes apart and the machine's speed drifts (XLA's W2
+    took 25-70 ms on different runs of the same day), so the "vs XLA" ratio comes from here."""
+    ins = task.random_inputs(0)
+    args = [ins[n] for n, _ in task.input_shapes]
+    fns = {"xla": xla_callable(task)}
+    for name, sched in schedules.items():
+        if sched is not None:
+            k = build(task, sched)
+            out = np.empty(task.output_shape, task.dtype)
+            fns[name] = (lambda k=k, out=out: k(*args, out=out))
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], _time(fn, min_runs=3, min_time_s=0.1))
+    return {f"{n}_s": v for n, v in best.items()}
 
 
 _PEAK_C = r"""
@@ -154,6 +181,7 @@ def tuning_run(task: Task, policy: str, trials: int, db: str, checkpoints=(64, 2
             out[f"best_s@{c}"] = res.best_after(c)
             out[f"time_s@{c}"] = next((h[2] for h in res.history if h[0] >= c), res.tuning_time_s)
     out["best_s"] = res.best_latency_s
+    out["best_schedule"] = res.best_schedule
     return out
 
 
@@ -163,8 +191,25 @@ def main() -> None:
     ap.add_argument("--random-trials", type=int, default=256)
     ap.add_argument("--workloads", default="W1,W2,W3,W4,W5")
     ap.add_argument("--peaks-only", action="store_true", help="re-measure the machine peaks into the existing JSON")
+    ap.add_argument("--head-to-head", metavar="DB_PREFIX",
+                    help="only re-time XLA against the best kernels in DB_PREFIX_{evolutionary,random}.sqlite "
+                         "(a finished or cut-short run's DBs) and add the result to the existing JSON")
     args = ap.parse_args()
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    if args.head_to_head:
+        from search import best_schedule
+        with open(OUT) as f:
+            result = json.load(f)
+        for w, entry in result["workloads"].items():
+            task = WORKLOADS[w][1]
+            scheds = {p: best_schedule(task, f"{args.head_to_head}_{p}.sqlite") for p in ("evolutionary", "random")
+                      if os.path.exists(f"{args.head_to_head}_{p}.sqlite")}
+            entry["head_to_head"] = head_to_head(task, scheds)
+            print(w, "head to head", json.dumps(entry["head_to_head"]), flush=True)
+            with open(OUT, "w") as f:
+                json.dump(result, f, indent=1)
+        print_table(result)
+        return
     if args.peaks_only:
         with open(OUT) as f:
             result = json.load(f)
@@ -188,10 +233,23 @@ def main() -> None:
                 entry[policy] = tuning_run(task, policy, trials, db.replace(".sqlite", f"_{policy}.sqlite"))
                 with open(OUT, "w") as f:
                     json.dump(result, f, indent=1)
-                print(w, policy, json.dumps(entry[policy]), flush=True)
+                print(w, policy, json.dumps({k: v for k, v in entry[policy].items() if k != "best_schedule"}),
+                      flush=True)
+        entry["head_to_head"] = head_to_head(task, {p: entry[p].get("best_schedule")
+                                                   for p in ("evolutionary", "random") if p in entry})
+        print(w, "head to head", json.dumps(entry["head_to_head"]), flush=True)
+        with open(OUT, "w") as f:
+            json.dump(result, f, indent=1)
     with open(OUT, "w") as f:
         json.dump(result, f, indent=1)
     print_table(result)
+
+
+def _h2h_cells(h: dict | None, ms) -> list[str]:
+    if not h:
+        return ["-", "-", "-"]
+    best = min(v for k, v in h.items() if k != "xla_s")
+    return [ms(h["xla_s"]), ms(best), f"{h['xla_s'] / best:.2f}x"]
 
 
 def print_table(result: dict) -> None:
@@ -202,7 +260,7 @@ def print_table(result: dict) -> None:
     t = Table(title=f"kernel search on {m['cores']} cores: peak {m['peak_flops_per_s'] / 1e9:.0f} GFLOP/s, "
                     f"triad {m['triad_bytes_per_s'] / 1e9:.1f} GB/s (ms; lower is better)")
     for c in ("W", "XLA", "numpy", "evo@64", "evo@256", "evo tune s", "rand@64", "rand@256", "rand tune s",
-              "best vs XLA", "roofline ms"):
+              "best vs XLA", "h2h XLA", "h2h best", "h2h vs XLA", "roofline ms"):
         t.add_column(c, justify="right")
     ms = lambda x: f"{x * 1e3:.3f}" if x is not None and x < float("inf") else "-"  # noqa: E731
     for w, e in result["workloads"].items():
@@ -212,8 +270,8 @@ def print_table(result: dict) -> None:
         t.add_row(w, ms(e["xla_s"]), ms(e["numpy_s"]), ms(ev.get("best_s@64")), ms(ev.get("best_s@256")),
                   f"{ev.get('tuning_time_s', 0):.0f}", ms(rd.get("best_s@64")), ms(rd.get("best_s@256")),
                   f"{rd.get('tuning_time_s', 0):.0f}", f"{e['xla_s'] / best:.2f}x" if best < float('inf') else "-",
-                  ms(roof))
-    Console().print(t)
+                  *_h2h_cells(e.get("head_to_head"), ms), ms(roof))
+    Console(width=200).print(t)
 
 
 if __name__ == "__main__":

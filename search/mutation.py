@@ -98,19 +98,21 @@ def mutate_tile_size(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> 
 
 
 def _retile_innermost(extent: int, factors: list[int], cap: int, rng: random.Random) -> list[int] | None:
-    """`factors` with a new innermost tile (padded or a divisor); the middle ones shrink to what
-    still divides the padded extent."""
+    """`factors` with a new innermost tile (padded or a divisor); each middle factor becomes the
+    divisor of what is left closest to it (the one next to the innermost scaled by old / new
+    innermost), so the tile keeps about its size: 8 x 16 rows of 1024 become 6 x 19 of 1026."""
     options = [d for d in padded_tile_options(extent) + divisors(extent) if d <= cap and d != factors[-1]]
     if not options:
         return None
     v = rng.choice(options)
     rest = -(-extent // v)
     middle = []
-    for x in factors[:-1]:
-        g = math.gcd(x, rest)
-        middle.append(g)
-        rest //= g
-    return middle + [v]
+    for k, x in enumerate(factors[:-1][::-1]):  # innermost middle factor first
+        want = x * factors[-1] / v if k == 0 else x
+        d = min(divisors(rest), key=lambda d: abs(math.log(d) - math.log(max(want, 1.0))))
+        middle.append(d)
+        rest //= d
+    return middle[::-1] + [v]
 
 
 def mutate_parallel(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> list[Step] | None:
