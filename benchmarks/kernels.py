@@ -49,11 +49,6 @@ def _time(fn, min_runs: int = 5, min_time_s: float = 0.3) -> float:
     return float(np.min(ts))
 
 
-def xla_callable(task: Task):
-    """A no-argument call of the operator under jax.jit on this task's seeded inputs."""
-    return _reference_fns(task)[0]
-
-
 def baselines(task: Task) -> dict[str, float]:
     """XLA (jax.jit on CPU) and numpy latencies of the same operator, fp32."""
     xla, np_fn = _reference_fns(task)
@@ -61,6 +56,7 @@ def baselines(task: Task) -> dict[str, float]:
 
 
 def _reference_fns(task: Task):
+    """No-argument calls of the operator under jax.jit and in numpy, on the task's seeded inputs."""
     import jax
     import jax.numpy as jnp
 
@@ -100,7 +96,7 @@ def head_to_head(task: Task, schedules: dict[str, list], rounds: int = 5) -> dic
     took 25-70 ms on different runs of the same day), so the "vs XLA" ratio comes from here."""
     ins = task.random_inputs(0)
     args = [ins[n] for n, _ in task.input_shapes]
-    fns = {"xla": xla_callable(task)}
+    fns = {"xla": _reference_fns(task)[0]}
     for name, sched in schedules.items():
         if sched is not None:
             k = build(task, sched)
@@ -206,16 +202,14 @@ def main() -> None:
                       if os.path.exists(f"{args.head_to_head}_{p}.sqlite")}
             entry["head_to_head"] = head_to_head(task, scheds)
             print(w, "head to head", json.dumps(entry["head_to_head"]), flush=True)
-            with open(OUT, "w") as f:
-                json.dump(result, f, indent=1)
+            _save(result)
         print_table(result)
         return
     if args.peaks_only:
         with open(OUT) as f:
             result = json.load(f)
         result["machine"] = {**machine_peaks(), "cores": os.cpu_count()}
-        with open(OUT, "w") as f:
-            json.dump(result, f, indent=1)
+        _save(result)
         print_table(result)
         return
     db = os.path.join(os.path.dirname(OUT), f"kernels_db_{int(time.time())}.sqlite")
@@ -231,18 +225,19 @@ def main() -> None:
                 # one DB per policy: the evolutionary runs' cost model learns from earlier
                 # workloads' records (transfer), and only from those it measured itself
                 entry[policy] = tuning_run(task, policy, trials, db.replace(".sqlite", f"_{policy}.sqlite"))
-                with open(OUT, "w") as f:
-                    json.dump(result, f, indent=1)
+                _save(result)
                 print(w, policy, json.dumps({k: v for k, v in entry[policy].items() if k != "best_schedule"}),
                       flush=True)
         entry["head_to_head"] = head_to_head(task, {p: entry[p].get("best_schedule")
                                                    for p in ("evolutionary", "random") if p in entry})
         print(w, "head to head", json.dumps(entry["head_to_head"]), flush=True)
-        with open(OUT, "w") as f:
-            json.dump(result, f, indent=1)
+        _save(result)
+    print_table(result)
+
+
+def _save(result: dict) -> None:
     with open(OUT, "w") as f:
         json.dump(result, f, indent=1)
-    print_table(result)
 
 
 def _h2h_cells(h: dict | None, ms) -> list[str]:

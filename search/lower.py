@@ -183,16 +183,13 @@ class _Lowering:
                     cum *= p.extent
             if cum < r:
                 raise ScheduleError(f"stage {s.name!r}: tiles of axis {a.name!r} do not cover its region {r}")
-            if cum > r:
-                if any(a is x for x in s.stage.reduce_axes):
-                    raise ScheduleError(f"stage {s.name!r}: reduction axis {a.name!r} would be padded "
-                                        f"from {r} to {cum}; its tiles must divide it")
+            if cum > r:  # a spatial axis: splits refuse to pad reduction axes
                 unsafe.add(a.name)
             covered[a.name] = cum
         self.extent[s.name] = ext
         self.unsafe[s.name] = unsafe
+        shape = tuple(covered[a.name] for a in axes)
         if s.attach is not None:
-            shape = tuple(covered[a.name] for a in axes)
             scope = "local"
             n = 1
             for d in shape:
@@ -203,7 +200,7 @@ class _Lowering:
         elif s.name == self.state.output:
             shape, scope = s.stage.shape, "output"  # padded iterations are not stored (guards)
         else:
-            shape, scope = tuple(covered[a.name] for a in axes), "global"
+            scope = "global"
         self.buffers[s.name] = Buffer(s.name, shape, scope)
 
     # ---- expressions ----

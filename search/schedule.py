@@ -3,6 +3,7 @@ them. A schedule is its list of steps, each a JSON-able dict (as in Ansor's reco
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -112,9 +113,7 @@ def split_lengths(extent: int, factors: list[int], padding: bool = True) -> list
     clamps its loads, so the extra iterations compute values that are never stored."""
     if any(f <= 0 for f in factors):
         raise ScheduleError(f"split factors must be positive, got {factors}")
-    inner = 1
-    for f in factors:
-        inner *= f
+    inner = math.prod(factors)
     if extent % inner == 0:
         return [extent // inner] + list(factors)
     if not padding:
@@ -138,10 +137,7 @@ def _split(state: State, st: StageState, step: Step) -> State:
         lengths = split_lengths(p.extent, factors, padding=not reduce)
     except ScheduleError as e:
         raise ScheduleError(f"split of loop {lp.name!r} in stage {st.name!r}: {e}") from None
-    inner = 1
-    for f in factors:
-        inner *= f
-    new_prims, new_loops, stride = [], [], p.stride * inner
+    new_prims, new_loops, stride = [], [], p.stride * math.prod(factors)
     for k, ext in enumerate(lengths):
         name = f"{lp.name}.{k}"
         new_prims.append((name, Prim(p.axis, stride, ext)))

@@ -151,12 +151,13 @@ def build(task: Task, schedule: list[Step] | None, target: str = "cpu") -> Kerne
         raise ValueError(f"build: no schedule for {task} (did every trial fail? see the records' errors)")
     backend = CBackend()
     source = backend.source(replay(task.dag, schedule))
-    res = backend.build([source])[0]
-    if res.error:
-        backend.close()
-        raise RuntimeError(f"build: compiling the kernel for {task} failed: {res.error}")
-    fn = backend.load(res.path, len(task.input_shapes) + 1)
-    backend.close()  # the loaded library stays mapped; nothing is left on disk
+    try:
+        res = backend.build([source])[0]
+        if res.error:
+            raise RuntimeError(f"build: compiling the kernel for {task} failed: {res.error}")
+        fn = backend.load(res.path, len(task.input_shapes) + 1)
+    finally:
+        backend.close()  # a loaded library stays mapped; nothing is left on disk
     return Kernel(task, schedule, source, fn)
 
 
