@@ -16,7 +16,7 @@ from cost_model import XGBoostCostModel
 
 from .features import statement_features
 from .measure import best_run_s
-from .mutation import checked_program, crossover, mutate, structure
+from .mutation import checked_program, crossover, mutate, structure, tiling
 from .record import TuningRecord
 from .schedule import Step
 from .sketch import generate_sketches, sample_schedules
@@ -24,6 +24,7 @@ from .task import Task
 
 
 TRANSFER_PER_TASK = 128  # records of each other task used to pre-train the model
+TILING_REPEATS = 3       # measured variants of one tiling after which the model's picks skip it
 
 
 def schedule_key(steps: list[Step]) -> str:
@@ -75,6 +76,7 @@ class EvolutionarySearch:
         self.measured: dict[str, float] = {}   # schedule key -> latency (inf when failed)
         self.best: list[tuple[float, list[Step]]] = []
         self.sketch_best: dict[tuple, float] = {}  # structure -> best latency measured (inf: all failed)
+        self.tiling_count: dict[tuple, int] = {}   # tiling -> schedules measured with it
         self._features: dict[str, list[dict[str, float]]] = {}
 
     # ---- cost model ----
@@ -128,6 +130,8 @@ class EvolutionarySearch:
             self.measured[schedule_key(s)] = lat
             g = structure(s)
             self.sketch_best[g] = min(self.sketch_best.get(g, math.inf), lat)
+            t = tiling(s)
+            self.tiling_count[t] = self.tiling_count.get(t, 0) + 1
             if r.ok:
                 self.best.append((lat, s))
                 try:
@@ -136,7 +140,7 @@ class EvolutionarySearch:
                 except Exception:
                     continue
         self.best.sort(key=lambda x: x[0])
-        del self.best[self.elite * 4:]
+        del self.best[self.elite * 16:]
         if feats:
             self.model.update(feats, lats, [self.task.workload_key] * len(feats))
 
@@ -149,11 +153,14 @@ class EvolutionarySearch:
         return self.rng.choices(pop, weights=w, k=1)[0]
 
     def elites(self) -> list[list[Step]]:
-        """The best measured schedules, taken round-robin over sketches (best first in each), so
-        one sketch's near-copies cannot crowd out the others' best."""
+        """The best measured schedule of each tiling, taken round-robin over sketches (best first
+        in each), so one sketch's near-copies cannot crowd out the others' best."""
         groups: dict[tuple, list[list[Step]]] = {}
-        for _, s in self.best:
-            groups.setdefault(structure(s), []).append(s)
+        seen: set[tuple] = set()
+        for _, s in self.best:  # best first: one schedule per tiling
+            if tiling(s) not in seen:
+                seen.add(tiling(s))
+                groups.setdefault(structure(s), []).append(s)
         out: list[list[Step]] = []
         for rank in range(max((len(g) for g in groups.values()), default=0)):
             out += [g[rank] for g in groups.values() if rank < len(g)]
@@ -203,7 +210,10 @@ class EvolutionarySearch:
     def next_batch(self, n: int) -> list[list[Step]]:
         """(1 - eps) * n best predicted unmeasured schedules, spread over sketches by
         `sketch_quota` (a sketch with too few candidates leaves its slots to the best predicted
-        of the rest), and the rest random (exploration)."""
+        of the rest), and the rest random (exploration). The model's picks take one schedule
+        per tiling and skip tilings measured TILING_REPEATS times while others are left:
+        otherwise a batch fills with unroll and parallel variants of the current best tiling,
+        which the model scores alike, and the search stops moving tile sizes."""
         cold = getattr(self.model, "n_samples", 1 << 30) < 4
         # without a trained model the first batch is random
         ranked: list[tuple[float, list[Step]]] = [] if cold else self.evolve()
@@ -219,10 +229,20 @@ class EvolutionarySearch:
             return True
 
         quota = self.sketch_quota(ranked, n - n_random) if ranked else {}
+        tilings: set[tuple] = set()
+
+        def fresh(s: list[Step]) -> bool:
+            t = tiling(s)
+            return t not in tilings and self.tiling_count.get(t, 0) < TILING_REPEATS
+
         for _, s in ranked:
             g = structure(s)
-            if quota.get(g, 0) > 0 and take(s):
+            if quota.get(g, 0) > 0 and fresh(s) and take(s):
                 quota[g] -= 1
+                tilings.add(tiling(s))
+        for _, s in ranked:
+            if fresh(s) and take(s):
+                tilings.add(tiling(s))
         for _, s in ranked:
             take(s)
         for _ in range(4):

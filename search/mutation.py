@@ -48,18 +48,8 @@ def _state_before(dag: ComputeDAG, steps: list[Step], idx: int) -> State:
     return state
 
 
-def _prime_factors(n: int) -> list[int]:
-    out, d = [], 2
-    while d * d <= n:
-        while n % d == 0:
-            out.append(d)
-            n //= d
-        d += 1
-    return out + ([n] if n > 1 else [])
-
-
 def mutate_tile_size(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> list[Step] | None:
-    """Move a prime factor of one tile length to another level of the same split; for row axes of
+    """Move a factor of one tile length to another level of the same split; for row axes of
     register-tiled stages, sometimes change the innermost tile to one that pads the axis (or back)."""
     idx = [i for i, s in enumerate(steps) if s["kind"] == "split"]
     if not idx:
@@ -87,7 +77,7 @@ def mutate_tile_size(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> 
         return None
     a = rng.choice(src)
     b = rng.choice([k for k in movable if k != a])
-    d = rng.choice(_prime_factors(lengths[a]))
+    d = rng.choice(divisors(lengths[a])[1:])  # any factor, as in Ansor: a level can empty in one move
     lengths[a] //= d
     lengths[b] *= d
     if lengths[-1] > inner_tile_cap(st, prim.axis):
@@ -183,6 +173,14 @@ def mutate(dag: ComputeDAG, steps: list[Step], rng: random.Random, tries: int = 
 def structure(steps: list[Step]) -> tuple:
     """What a schedule shares with every other schedule of its sketch."""
     return tuple((s["kind"], s["stage"], s.get("iter")) for s in steps if s["kind"] in STRUCTURE_KINDS)
+
+
+def tiling(steps: list[Step]) -> tuple:
+    """A schedule less its annotations (parallel, vectorize, unroll): its sketch, tile sizes and
+    compute locations. Schedules with one tiling differ by a few percent at most, which a cost
+    model trained on a few dozen records cannot rank."""
+    keep = STRUCTURE_KINDS + ("compute_at",)
+    return tuple(json.dumps(s, sort_keys=True) for s in steps if s["kind"] in keep)
 
 
 def crossover(dag: ComputeDAG, a: list[Step], b: list[Step], rng: random.Random) -> list[Step] | None:

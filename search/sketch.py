@@ -195,6 +195,7 @@ VECTOR_LANES = 16       # fp32 lanes of a 512-bit vector
 VECTOR_TILE_PROB = 0.5  # how often the innermost tile of a stage's last axis is a whole number of vectors
 PADDED_TILES = range(3, 9)  # register-tile rows that need not divide the extent (6 x 64 fills 24 registers)
 PADDED_TILE_PROB = 0.3      # how often such an axis gets one, when the extent has a non-divisor there
+DEGENERATE_PROB = 0.5       # how often an outer tile level is 1 or takes all that is left
 
 
 def may_pad(st: StageState, axis: str) -> bool:
@@ -212,10 +213,20 @@ def sample_factors(extent: int, n: int, rng: random.Random, max_inner: int = MAX
                    lanes: int = 0, pad: bool = False) -> list[int]:
     """n inner tile lengths whose product divides `extent` (innermost at most `max_inner`; with
     `lanes`, a multiple of it half of the time when the extent has one). With `pad`, sometimes
-    an innermost tile that does not divide it; the others then divide ceil(extent / tile)."""
+    an innermost tile that does not divide it; the others then divide ceil(extent / tile).
+
+    A tile level above the innermost is *degenerate* (length 1, or all that is left) with
+    probability DEGENERATE_PROB, else a uniform divisor: the loop orders of hand-written
+    kernels (BLIS: column panel, k block, row blocks, register tile) are multi-level tilings
+    with collapsed levels, which uniform sampling draws with probability about 1/50 per axis."""
     rest, out = extent, []
     for i in range(n):
         ds = divisors(rest)
+        if i > 0 and rest > 1 and rng.random() < DEGENERATE_PROB:
+            f = rng.choice((1, rest))
+            out.append(f)
+            rest //= f
+            continue
         if i == 0 and pad and padded_tile_options(rest) and rng.random() < PADDED_TILE_PROB:
             f = rng.choice(padded_tile_options(rest))
             out.append(f)

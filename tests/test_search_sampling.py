@@ -1,0 +1,98 @@
+"""How the search draws and moves through schedules: degenerate tile levels in annotation,
+tile-size mutations that can empty a level in one move, and batches that take one schedule
+per tiling instead of the model's favourite tiling with every unroll depth."""
+import random
+from math import prod
+
+from search import Task
+from search.evolution import TILING_REPEATS, EvolutionarySearch
+from search.mutation import checked_program, mutate_tile_size, tiling
+from search.schedule import split_lengths
+from search.sketch import DEGENERATE_PROB, generate_sketches, sample_factors, sample_schedules
+
+
+def test_sampled_factors_keep_the_split_rules_with_degenerate_levels():
+    rng = random.Random(0)
+    for extent, pad in ((4096, False), (1024, True), (96, True), (7, False)):
+        for _ in range(300):
+            f = sample_factors(extent, 3, rng, max_inner=64, lanes=16, pad=pad)
+            lengths = split_lengths(extent, f)          # raises if the factors break the rules
+            assert f[-1] <= 64 and prod(lengths) >= extent
+
+
+def test_outer_tile_levels_are_often_degenerate():
+    """A BLIS-like column panel (j of 4096 as 64 panels x 1 x 1 x 64) is drawn about 1 in 10 times
+    given the 64-wide innermost tile (DEGENERATE_PROB 0.5 on each middle level), against 1 in 49
+    for a uniform divisor at each level."""
+    rng = random.Random(1)
+    draws = [sample_factors(4096, 3, rng, max_inner=64, lanes=16) for _ in range(4000)]
+    inner64 = [f for f in draws if f[-1] == 64]
+    panels = sum(f[:2] == [1, 1] for f in inner64) / len(inner64)
+    uniform = 1 / 49
+    assert panels > 3 * uniform
+    want = (DEGENERATE_PROB / 2 + (1 - DEGENERATE_PROB) / 7) ** 2   # j.2 = 1 and then j.1 = 1
+    assert abs(panels - want) < 0.05
+
+
+def test_a_tile_mutation_can_empty_a_level_in_one_move():
+    """Ansor's tile-size mutation moves any factor of a level, not only a prime one: from
+    j = 4 x 4 x 4 x 64 one move reaches a schedule with a level of length 1."""
+    task = Task.matmul(64, 4096, 64)
+    dag = task.dag
+    base = None
+    for s in sample_schedules(generate_sketches(dag), dag, 400, random.Random(2)):
+        cand = [dict(x, factors=[4, 4, 64]) if x["kind"] == "split" and x["stage"] == "C" and x["iter"] == "j"
+                and len(x["factors"]) == 3 else x for x in s]
+        if cand != s and checked_program(dag, cand) is not None:
+            base = cand
+            break
+    assert base is not None
+    rng = random.Random(3)
+    emptied = 0
+    for _ in range(200):
+        child = mutate_tile_size(dag, base, rng)
+        if child is None:
+            continue
+        for x in child:
+            if x["kind"] == "split" and x["stage"] == "C" and x["iter"] == "j" and x["factors"] != [4, 4, 64]:
+                emptied += 1 in split_lengths(4096, x["factors"])
+    assert emptied > 0
+
+
+class TrainedLookingModel:
+    n_samples = 100
+
+    def update(self, *a) -> None:
+        pass
+
+
+def test_model_picks_take_one_schedule_per_tiling(monkeypatch):
+    """A model that scores one tiling highest (in every unroll and parallel variant) gets one of
+    its variants per batch, and none once that tiling has been measured TILING_REPEATS times."""
+    task = Task.matmul(64, 64, 64)
+    pol = EvolutionarySearch(task, seed=0)
+    pol.model = TrainedLookingModel()
+    fav = sample_schedules(pol.sketches, task.dag, 1, random.Random(4))[0]
+    monkeypatch.setattr(pol, "scores", lambda pop: [10.0 if tiling(s) == tiling(fav) else 0.0 for s in pop])
+    pol.best = [(1e-3, fav)]  # the favourite is an elite, so evolution keeps producing its variants
+    batch = pol.next_batch(16)
+    n_model = 16 - max(1, round(16 * pol.eps_greedy))
+    model_part = [tiling(s) for s in batch[:n_model]]
+    assert model_part.count(tiling(fav)) <= 1
+    assert len(set(model_part)) == len(model_part)
+    pol.tiling_count[tiling(fav)] = TILING_REPEATS
+    assert tiling(fav) not in [tiling(s) for s in pol.next_batch(16)[:n_model]]
+
+
+def test_elites_hold_one_schedule_per_tiling():
+    task = Task.matmul(64, 64, 64)
+    pol = EvolutionarySearch(task, seed=0)
+    s = sample_schedules(pol.sketches, task.dag, 30, random.Random(5))
+    variant = [dict(x, auto_unroll_max_step=64 - x["auto_unroll_max_step"]) if x["kind"] == "pragma" else x
+               for x in s[0]]
+    assert tiling(variant) == tiling(s[0]) and variant != s[0]
+    pol.best = sorted([(1e-3, s[0]), (1.1e-3, variant)] + [(2e-3 + i * 1e-5, x) for i, x in enumerate(s[1:])],
+                      key=lambda x: x[0])
+    el = pol.elites()
+    assert s[0] in el and variant not in el
+    assert len({tiling(x) for x in el}) == len(el)
