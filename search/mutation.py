@@ -48,6 +48,26 @@ def _state_before(dag: ComputeDAG, steps: list[Step], idx: int) -> State:
     return state
 
 
+def retarget_attaches(dag: ComputeDAG, steps: list[Step]) -> list[Step]:
+    """Compute-at steps (kept last) renamed to the loop that now holds their target loop: after a
+    parallel mutation fused or unfused the target's outer loops, `j.0` may be `i.0@j.0` or the
+    other way round."""
+    body = [s for s in steps if s["kind"] != "compute_at"]
+    try:
+        state = replay(dag, body)
+    except (ScheduleError, ValueError):
+        return steps
+    out = []
+    for s in steps:
+        if s["kind"] == "compute_at" and s["target"] in {st.name for st in state.stages}:
+            last = s["iter"].split("@")[-1]
+            hold = [lp.name for lp in state.stage(s["target"]).loops if last in lp.prims]
+            if hold:
+                s = {**s, "iter": hold[0]}
+        out.append(s)
+    return [s for s in out if s["kind"] != "compute_at"] + [s for s in out if s["kind"] == "compute_at"]
+
+
 def mutate_tile_size(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> list[Step] | None:
     """Move a factor of one tile length to another level of the same split; for row axes of
     register-tiled stages, sometimes change the innermost tile to one that pads the axis (or back)."""
@@ -116,7 +136,7 @@ def mutate_parallel(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> l
     state = _state_before(dag, steps, j)
     for s in steps[i + 1:]:  # compute locations (kept last) limit which loops may be fused
         if s["kind"] == "compute_at" and s["target"] == stage:
-            state = state.with_stage(replace(state.stage(s["stage"]), attach=(stage, s["iter"])))
+            state = state.with_stage(replace(state.stage(s["stage"]), attach=(stage, s["iter"].split("@")[-1])))
     outer = _outer_spatial(state.stage(stage), state)
     n_old = len(steps[i]["iter"].split("@"))
     choices = [n for n in range(1, len(outer) + 1) if n != n_old]
@@ -125,7 +145,7 @@ def mutate_parallel(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> l
     n = rng.choice(choices)
     new = ([{"kind": "fuse", "stage": stage, "iters": outer[:n]}] if n > 1 else []) + \
           [{"kind": "annotate", "stage": stage, "iter": "@".join(outer[:n]), "ann": "parallel"}]
-    return _valid(dag, list(steps[:j]) + new + list(steps[i + 1:]))
+    return _valid(dag, retarget_attaches(dag, list(steps[:j]) + new + list(steps[i + 1:])))
 
 
 def mutate_unroll(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> list[Step] | None:
@@ -180,7 +200,9 @@ def tiling(steps: list[Step]) -> tuple:
     compute locations. Schedules with one tiling differ by a few percent at most, which a cost
     model trained on a few dozen records cannot rank."""
     keep = STRUCTURE_KINDS + ("compute_at",)
-    return tuple(json.dumps(s, sort_keys=True) for s in steps if s["kind"] in keep)
+    # a compute location by its innermost loop: `i.0@j.0` (fused for parallelism) is `j.0`
+    return tuple(json.dumps({**s, "iter": s["iter"].split("@")[-1]} if s["kind"] == "compute_at" else s,
+                            sort_keys=True) for s in steps if s["kind"] in keep)
 
 
 def crossover(dag: ComputeDAG, a: list[Step], b: list[Step], rng: random.Random) -> list[Step] | None:
@@ -204,4 +226,4 @@ def crossover(dag: ComputeDAG, a: list[Step], b: list[Step], rng: random.Random)
     order = {s["stage"]: k for k, s in enumerate(x for x in a if x["kind"] == "compute_at")}
     body = [s for s in child if s["kind"] != "compute_at"]
     ats = sorted((s for s in child if s["kind"] == "compute_at"), key=lambda s: order.get(s["stage"], -1))
-    return _valid(dag, body + ats)
+    return _valid(dag, retarget_attaches(dag, body + ats))

@@ -210,7 +210,7 @@ def padded_tile_options(extent: int) -> list[int]:
 
 
 def sample_factors(extent: int, n: int, rng: random.Random, max_inner: int = MAX_INNER_TILE,
-                   lanes: int = 0, pad: bool = False) -> list[int]:
+                   lanes: int = 0, pad: bool = False, inner: int | None = None) -> list[int]:
     """n inner tile lengths whose product divides `extent` (innermost at most `max_inner`; with
     `lanes`, a multiple of it half of the time when the extent has one). With `pad`, sometimes
     an innermost tile that does not divide it; the others then divide ceil(extent / tile).
@@ -218,9 +218,14 @@ def sample_factors(extent: int, n: int, rng: random.Random, max_inner: int = MAX
     A tile level above the innermost is *degenerate* (length 1, or all that is left) with
     probability DEGENERATE_PROB, else a uniform divisor: the loop orders of hand-written
     kernels (BLIS: column panel, k block, row blocks, register tile) are multi-level tilings
-    with collapsed levels, which uniform sampling draws with probability about 1/50 per axis."""
+    with collapsed levels, which uniform sampling draws with probability about 1/50 per axis.
+    `inner` fixes the innermost tile (a register-tile shape chosen for the whole stage)."""
     rest, out = extent, []
     for i in range(n):
+        if i == 0 and inner is not None:
+            out.append(inner)
+            rest = -(-rest // inner)
+            continue
         ds = divisors(rest)
         if i > 0 and rest > 1 and rng.random() < DEGENERATE_PROB:
             f = rng.choice((1, rest))
@@ -243,14 +248,49 @@ def sample_factors(extent: int, n: int, rng: random.Random, max_inner: int = MAX
     return out[::-1]
 
 
+REGISTER_TILE_PROB = 0.5        # how often a stage with data reuse gets a register-filling tile
+REGISTER_TILE_VECTORS = (12, 28)  # accumulator vectors of such a tile (AVX-512 has 32 registers,
+                                  # a few stay free for the broadcast row and the loaded column)
+
+
+def register_tile_options(st: StageState) -> list[tuple[int, int]]:
+    """(rows, columns) innermost tiles of a stage with data reuse whose accumulators fill
+    REGISTER_TILE_VECTORS vector registers: columns a whole number of vectors that divides
+    the last axis, rows a divisor or a padded tile of the axis before it (BLIS picks its
+    micro-kernel the same way)."""
+    sp = st.stage.axes
+    if len(sp) < 2 or not has_data_reuse(st.stage):
+        return []
+    row, col = sp[-2].extent, sp[-1].extent
+    lo, hi = REGISTER_TILE_VECTORS
+    rows = sorted(set(d for d in divisors(row) if d <= MAX_INNER_TILE) | set(padded_tile_options(row)))
+    return [(r, c) for c in divisors(col) if c % VECTOR_LANES == 0 and c <= MAX_INNER_TILE
+            for r in rows if lo <= r * c // VECTOR_LANES <= hi]
+
+
+def _register_tile(st: StageState, rng: random.Random) -> dict[str, int]:
+    """Innermost tiles by axis for one stage: a register-filling shape REGISTER_TILE_PROB of the
+    time (other row axes 1), else nothing (each axis sampled on its own)."""
+    opts = register_tile_options(st)
+    if not opts or rng.random() >= REGISTER_TILE_PROB:
+        return {}
+    r, c = rng.choice(opts)
+    sp = st.stage.axes
+    return {**{a.name: 1 for a in sp[:-2]}, sp[-2].name: r, sp[-1].name: c}
+
+
 def _outer_spatial(st: StageState, state: State) -> list[str]:
-    """Leading spatial loops that may be fused for parallelism (stops at a compute-at target)."""
+    """Leading spatial loops that may be fused for parallelism, down to the first compute-at
+    target (included: the attached stage is then computed in the fused loop, so a panel loop
+    j.0 under a row-block loop i.0 of extent 3 can still give two cores 192 tiles)."""
     targets = {s.attach[1] for s in state.stages if isinstance(s.attach, tuple) and s.attach[0] == st.name}
     out = []
     for lp in st.loops:
-        if st.is_reduce_loop(lp) or lp.name in targets:
+        if st.is_reduce_loop(lp):
             break
         out.append(lp.name)
+        if lp.name in targets:
+            break
     return out
 
 
@@ -287,14 +327,18 @@ def _annotate_once(sketch: Sketch, dag: ComputeDAG, rng: random.Random) -> list[
     state = initial_state(dag)
     steps: list[Step] = []
     attaches: list[Step] = []
+    tiles: dict[str, dict[str, int]] = {}
     for step in sketch.steps:
         if step["kind"] == "split" and None in step["factors"]:
             st = state.stage(step["stage"])
             p = st.prim(st.loop(step["iter"]).prims[0])
             last_axis = bool(st.stage.axes) and p.axis == st.stage.axes[-1].name
+            if st.name not in tiles:
+                tiles[st.name] = _register_tile(st, rng)
+            inner = tiles[st.name].get(p.axis) if len(step["factors"]) == SPATIAL_LEVELS - 1 else None
             step = {**step, "factors": sample_factors(p.extent, len(step["factors"]), rng,
                                                       inner_tile_cap(st, p.axis), VECTOR_LANES if last_axis else 0,
-                                                      pad=may_pad(st, p.axis))}
+                                                      pad=may_pad(st, p.axis), inner=inner)}
         if step["kind"] == "compute_at":
             attaches.append(step)
         state = apply_step(state, step, steps)
@@ -314,9 +358,10 @@ def _annotate_once(sketch: Sketch, dag: ComputeDAG, rng: random.Random) -> list[
         for step in ann:
             state = apply_step(state, step, steps)
             steps.append(step)
-    # compute locations go last, so mutations can change them without touching loop steps
+    # compute locations go last, so mutations can change them without touching loop steps; a
+    # target loop fused for parallelism since is named by its fused loop
     body = [s for s in steps if s["kind"] != "compute_at"]
-    return body + [a for a in attaches]
+    return body + [{**a, "iter": state.stage(a["stage"]).attach[1]} for a in attaches]
 
 
 def _annotation_steps(st: StageState, state: State, rng: random.Random) -> list[Step]:

@@ -1,5 +1,5 @@
-"""How the search draws and moves through schedules: degenerate tile levels in annotation,
-tile-size mutations that can empty a level in one move, and batches that take one schedule
+"""How the search draws and moves through schedules: degenerate tile levels and register-filling
+micro-kernel tiles in annotation, tile-size mutations that can empty a level in one move, and batches that take one schedule
 per tiling instead of the model's favourite tiling with every unroll depth."""
 import random
 from math import prod
@@ -8,7 +8,8 @@ from search import Task
 from search.evolution import TILING_REPEATS, EvolutionarySearch
 from search.mutation import checked_program, mutate_tile_size, tiling
 from search.schedule import split_lengths
-from search.sketch import DEGENERATE_PROB, generate_sketches, sample_factors, sample_schedules
+from search.sketch import (DEGENERATE_PROB, REGISTER_TILE_PROB, REGISTER_TILE_VECTORS, generate_sketches,
+                           register_tile_options, sample_factors, sample_schedules)
 
 
 def test_sampled_factors_keep_the_split_rules_with_degenerate_levels():
@@ -96,3 +97,35 @@ def test_elites_hold_one_schedule_per_tiling():
     el = pol.elites()
     assert s[0] in el and variant not in el
     assert len({tiling(x) for x in el}) == len(el)
+
+
+def test_register_tile_options_fill_the_vector_registers():
+    """Row x column micro-kernels for a 1024 x 4096 dense: columns whole vectors dividing 4096,
+    rows dividing 1024 or padded (6 of 1024), accumulators within REGISTER_TILE_VECTORS."""
+    from search.schedule import initial_state
+    task = Task.dense(1024, 4096, 1024, "gelu")
+    st = initial_state(task.dag).stage("C")
+    opts = register_tile_options(st)
+    lo, hi = REGISTER_TILE_VECTORS
+    assert (6, 64) in opts and (8, 32) in opts and (4, 64) in opts
+    assert (8, 64) not in opts and (2, 16) not in opts          # 32 and 2 vectors
+    for r, c in opts:
+        assert c % 16 == 0 and 4096 % c == 0 and lo <= r * c // 16 <= hi
+        split_lengths(1024, [r])                                # a divisor or an allowed padded tile
+    softmax = Task.softmax(64, 64)
+    assert all(register_tile_options(s) == [] for s in initial_state(softmax.dag).stages)
+
+
+def test_annotation_gives_register_filling_tiles_about_as_often_as_asked():
+    task = Task.matmul(512, 512, 512)
+    dag = task.dag
+    lo, hi = REGISTER_TILE_VECTORS
+    scheds = sample_schedules(generate_sketches(dag), dag, 400, random.Random(6))
+    filled = 0
+    for s in scheds:
+        f = {x["iter"]: x["factors"] for x in s if x["kind"] == "split" and x["stage"] in ("C", "C.local")
+             and len(x["factors"]) == 3}
+        r, c = f["i"][-1], f["j"][-1]
+        filled += c % 16 == 0 and lo <= r * c // 16 <= hi
+    # REGISTER_TILE_PROB of the schedules by construction, plus independent draws that land there
+    assert REGISTER_TILE_PROB <= filled / len(scheds) < REGISTER_TILE_PROB + 0.25
