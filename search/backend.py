@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -88,6 +89,15 @@ class CBackend:
         results: list[BuildResult | None] = [None] * len(sources)
         pending = list(range(len(sources)))
         running: list[tuple[int, subprocess.Popen, float, str]] = []
+        try:
+            self._build_loop(sources, pending, running, results, timeout_s)
+        except BaseException:  # Ctrl-C or an error: no compiler outlives the build
+            for _, p, _, _ in running:
+                _kill_group(p)
+            raise
+        return results  # type: ignore[return-value]
+
+    def _build_loop(self, sources, pending, running, results, timeout_s) -> None:
         while pending or running:
             while pending and len(running) < self.n_parallel:
                 i = pending.pop(0)
@@ -96,7 +106,10 @@ class CBackend:
                 with open(stem + ".c", "w") as f:
                     f.write(sources[i])
                 cmd = [self.compiler, *self.target()["cflags"], "-o", stem + ".so", stem + ".c", "-lm"]
-                p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                # own process group: a timeout must kill cc1 too, not only the gcc driver (an
+                # orphaned cc1 kept a core busy for minutes and slowed every later measurement)
+                p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
                 running.append((i, p, time.perf_counter(), stem))
             time.sleep(0.01)
             still = []
@@ -106,22 +119,29 @@ class CBackend:
                     still.append((i, p, t0, stem))
                     continue
                 if p.poll() is None:
-                    p.kill()
-                    p.wait()
+                    _kill_group(p)
                     results[i] = BuildResult(None, f"build timeout after {timeout_s:.0f} s", dt)
                 elif p.returncode != 0:
                     results[i] = BuildResult(None, "build error: " + (p.stderr.read() or "")[-2000:], dt)
                 else:
                     results[i] = BuildResult(stem + ".so", None, dt)
                 p.stderr.close()
-            running = still
-        return results  # type: ignore[return-value]
+            running[:] = still
 
     def load(self, path: str, n_args: int) -> Callable[..., None]:
         fn = getattr(ctypes.CDLL(path), KERNEL_SYMBOL)
         fn.argtypes = [ctypes.c_void_p] * n_args
         fn.restype = None
         return fn
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """Kill a compiler and every process it started (its session's process group)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
 
 
 def call_kernel(fn: Callable[..., None], arrays: list[np.ndarray]) -> None:

@@ -1,12 +1,15 @@
 """Property test: every schedule the sketch rules, annotation, mutations and crossover produce
 compiles to C and computes what numpy computes (checked by the runner against a float64 numpy
 reference of the operator; a wrong kernel is an error record)."""
+import os
 import random
+import time
 
 import numpy as np
 import pytest
 
 from search import Task, build
+from search.backend import CBackend
 from search.measure import MeasureOptions, ProgramMeasurer
 from search.mutation import MUTATIONS, crossover, mutate
 from search.sketch import annotate, generate_sketches
@@ -156,3 +159,27 @@ def test_compile_flags_follow_the_isa_and_are_part_of_the_target():
     t = CBackend().target()
     assert tuple(t["cflags"]) == compile_flags(t["isa"])
     assert target_key({**t, "cflags": list(C_FLAGS) + ["-O2"]}) != target_key(t)
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def test_a_build_timeout_kills_the_compiler_and_its_children(tmp_path):
+    """A compile past its timeout is an error record, and no cc1 is left running (the gcc
+    driver's child once kept a core busy for minutes, slowing every later measurement)."""
+    heavy = "float kernel(float* a) {\n  float s = 0;\n" + "".join(
+        f"  s += a[{i}] * a[{i + 1}] / (a[{i + 2}] + s);\n" for i in range(40000)) + "  return s;\n}\n"
+    backend = CBackend(workdir=str(tmp_path))
+    res = backend.build([heavy], timeout_s=0.5)
+    assert res[0].error is not None and res[0].error.startswith("build timeout")
+    time.sleep(0.3)
+    assert _processes_mentioning(str(tmp_path)) == []
