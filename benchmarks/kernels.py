@@ -267,6 +267,26 @@ def print_table(result: dict) -> None:
                   f"{rd.get('tuning_time_s', 0):.0f}", f"{e['xla_s'] / best:.2f}x" if best < float('inf') else "-",
                   *_h2h_cells(e.get("head_to_head"), ms), ms(roof))
     Console(width=200).print(t)
+    for line in target_lines(result):
+        print(line)
+
+
+def target_lines(result: dict) -> list[str]:
+    """The issue's targets, judged on this run: head-to-head speed against XLA (W1 at least
+    0.8x, W2-W5 at least 1x) and evolutionary + model faster than random search at 64 trials."""
+    out = []
+    for w, e in result["workloads"].items():
+        h, ev, rd = e.get("head_to_head"), e.get("evolutionary", {}), e.get("random", {})
+        if h:
+            need = 0.8 if w == "W1" else 1.0
+            best = min(v for k, v in h.items() if k != "xla_s")
+            ratio = h["xla_s"] / best
+            out.append(f"{w}: {ratio:.2f}x XLA head to head (target >= {need}x): {'met' if ratio >= need else 'MISSED'}")
+        if "best_s@64" in ev and "best_s@64" in rd:
+            a, b = ev["best_s@64"], rd["best_s@64"]
+            out.append(f"{w}: at 64 trials evolutionary {a * 1e3:.3f} ms, random {b * 1e3:.3f} ms: "
+                       f"{'evolutionary faster' if a < b else 'RANDOM FASTER OR EQUAL'}")
+    return out
 
 
 if __name__ == "__main__":
