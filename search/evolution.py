@@ -25,6 +25,8 @@ from .task import Task
 
 TRANSFER_PER_TASK = 128  # records of each other task used to pre-train the model
 TILING_REPEATS = 3       # measured variants of one tiling after which the model's picks skip it
+SCREEN_SHARE = 0.25      # share of a batch screened by the model from new random schedules
+SCREEN_POOL = 256        # new random schedules the model screens for those slots
 
 
 def schedule_key(steps: list[Step]) -> str:
@@ -66,13 +68,15 @@ class EvolutionarySearch:
 
     def __init__(self, task: Task, cost_model: XGBoostCostModel | None = None, seed: int = 0,
                  population: int = 128, generations: int = 4, eps_greedy: float = 0.1,
-                 mutation_prob: float = 0.85, elite: int = 16):
+                 mutation_prob: float = 0.85, elite: int = 16, screen_share: float = SCREEN_SHARE,
+                 screen_pool: int = SCREEN_POOL):
         self.task = task
         self.model = cost_model if cost_model is not None else XGBoostCostModel(seed=seed)
         self.rng = random.Random(seed)
         self.sketches = generate_sketches(task.dag)
         self.population, self.generations = population, generations
         self.eps_greedy, self.mutation_prob, self.elite = eps_greedy, mutation_prob, elite
+        self.screen_share, self.screen_pool = screen_share, screen_pool
         self.measured: dict[str, float] = {}   # schedule key -> latency (inf when failed)
         self.best: list[tuple[float, list[Step]]] = []
         self.sketch_best: dict[tuple, float] = {}  # structure -> best latency measured (inf: all failed)
@@ -207,28 +211,38 @@ class EvolutionarySearch:
             quota[g] += 1
         return quota
 
+    def screened(self, pool: int) -> list[tuple[float, list[Step]]]:
+        """`pool` new random schedules (unmeasured) with their model scores, best first."""
+        cands = [s for s in sample_schedules(self.sketches, self.task.dag, pool, self.rng)
+                 if schedule_key(s) not in self.measured]
+        return sorted(zip(self.scores(cands), cands), key=lambda x: -x[0]) if cands else []
+
     def next_batch(self, n: int) -> list[list[Step]]:
-        """(1 - eps) * n best predicted unmeasured schedules, spread over sketches by
-        `sketch_quota` (a sketch with too few candidates leaves its slots to the best predicted
-        of the rest), and the rest random (exploration). The model's picks take one schedule
-        per tiling and skip tilings measured TILING_REPEATS times while others are left:
-        otherwise a batch fills with unroll and parallel variants of the current best tiling,
-        which the model scores alike, and the search stops moving tile sizes."""
+        """A batch of three parts. Exploitation: the best predicted unmeasured schedules of the
+        evolution, spread over sketches by `sketch_quota` (a sketch with too few candidates
+        leaves its slots to the best predicted of the rest). Screened exploration
+        (`screen_share` of n): the model's best of `screen_pool` new random schedules, so
+        exploration follows the prior and the model, not the prior alone. Random (`eps_greedy`
+        of n). The model's picks take one schedule per tiling and skip tilings measured
+        TILING_REPEATS times while others are left: otherwise a batch fills with unroll and
+        parallel variants of the current best tiling, which the model scores alike."""
         cold = getattr(self.model, "n_samples", 1 << 30) < 4
         # without a trained model the first batch is random
         ranked: list[tuple[float, list[Step]]] = [] if cold else self.evolve()
         n_random = max(1, int(round(n * self.eps_greedy))) if ranked else n
+        n_screen = min(n - n_random, int(round(n * self.screen_share))) if ranked else 0
         out, keys = [], set()
+        limit = n - n_random - n_screen
 
         def take(s: list[Step]) -> bool:
             k = schedule_key(s)
-            if k in keys or len(out) >= n - n_random:
+            if k in keys or len(out) >= limit:
                 return False
             keys.add(k)
             out.append(s)
             return True
 
-        quota = self.sketch_quota(ranked, n - n_random) if ranked else {}
+        quota = self.sketch_quota(ranked, limit) if ranked else {}
         tilings: set[tuple] = set()
 
         def fresh(s: list[Step]) -> bool:
@@ -245,6 +259,14 @@ class EvolutionarySearch:
                 tilings.add(tiling(s))
         for _, s in ranked:
             take(s)
+        if n_screen:
+            limit = n - n_random
+            pool = self.screened(self.screen_pool)
+            for _, s in pool:
+                if fresh(s) and take(s):
+                    tilings.add(tiling(s))
+            for _, s in pool:
+                take(s)
         for _ in range(4):
             for s in sample_schedules(self.sketches, self.task.dag, n - len(out), self.rng):
                 k = schedule_key(s)

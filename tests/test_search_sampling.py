@@ -1,11 +1,14 @@
 """How the search draws and moves through schedules: degenerate tile levels and register-filling
-micro-kernel tiles in annotation, tile-size mutations that can empty a level in one move, and batches that take one schedule
-per tiling instead of the model's favourite tiling with every unroll depth."""
+micro-kernel tiles in annotation, tile-size mutations that can empty a level in one move,
+batches that take one schedule per tiling instead of the model's favourite tiling with every
+unroll depth, and a share of each batch screened by the model from new random schedules."""
+import json
 import random
+import zlib
 from math import prod
 
 from search import Task
-from search.evolution import TILING_REPEATS, EvolutionarySearch
+from search.evolution import SCREEN_SHARE, TILING_REPEATS, EvolutionarySearch
 from search.mutation import checked_program, mutate_tile_size, tiling
 from search.schedule import split_lengths
 from search.sketch import (DEGENERATE_PROB, REGISTER_TILE_PROB, REGISTER_TILE_VECTORS, generate_sketches,
@@ -77,7 +80,7 @@ def test_model_picks_take_one_schedule_per_tiling(monkeypatch):
     monkeypatch.setattr(pol, "scores", lambda pop: [10.0 if tiling(s) == tiling(fav) else 0.0 for s in pop])
     pol.best = [(1e-3, fav)]  # the favourite is an elite, so evolution keeps producing its variants
     batch = pol.next_batch(16)
-    n_model = 16 - max(1, round(16 * pol.eps_greedy))
+    n_model = 16 - max(1, round(16 * pol.eps_greedy))   # evolved and screened picks
     model_part = [tiling(s) for s in batch[:n_model]]
     assert model_part.count(tiling(fav)) <= 1
     assert len(set(model_part)) == len(model_part)
@@ -129,3 +132,23 @@ def test_annotation_gives_register_filling_tiles_about_as_often_as_asked():
         filled += c % 16 == 0 and lo <= r * c // 16 <= hi
     # REGISTER_TILE_PROB of the schedules by construction, plus independent draws that land there
     assert REGISTER_TILE_PROB <= filled / len(scheds) < REGISTER_TILE_PROB + 0.25
+
+
+def test_screened_slots_are_the_models_best_of_new_random_schedules(monkeypatch):
+    """A quarter of a batch is the model's best of SCREEN_POOL new random schedules: with a
+    model whose scores are a fixed pseudo-random function of the schedule, every screened pick
+    scores above the 90th percentile of an independent pool of new schedules."""
+    task = Task.matmul(64, 64, 64)
+    pol = EvolutionarySearch(task, seed=0)
+    pol.model = TrainedLookingModel()
+    score = lambda s: zlib.crc32(json.dumps(s, sort_keys=True).encode()) / 2 ** 32  # noqa: E731
+    monkeypatch.setattr(pol, "scores", lambda pop: [score(s) for s in pop])
+    monkeypatch.setattr(pol, "evolve", lambda: [(0.0, s) for s in sample_schedules(
+        pol.sketches, task.dag, 64, random.Random(7))])   # exploitation picks: whatever they are
+    batch = pol.next_batch(16)
+    n_random = max(1, round(16 * pol.eps_greedy))
+    n_screen = round(16 * SCREEN_SHARE)
+    screened = batch[16 - n_random - n_screen:16 - n_random]
+    assert len(screened) == n_screen == 4
+    ref = sorted(score(s) for s in sample_schedules(pol.sketches, task.dag, 256, random.Random(8)))
+    assert min(score(s) for s in screened) > ref[int(0.9 * len(ref))]

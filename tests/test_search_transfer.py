@@ -131,6 +131,7 @@ def test_batch_spreads_over_sketches_by_their_best_measured_latency(monkeypatch)
     # a model that prefers one sketch still gets a batch spread by the quota
     pol.model = TrainedLookingModel()
     monkeypatch.setattr(pol, "scores", lambda pop: [10.0 if structure(s) == fav else 0.0 for s in pop])
+    pol.screen_share = 0.0  # all model slots from the evolution
     batch = pol.next_batch(16)
     n_model = 16 - max(1, round(16 * pol.eps_greedy))
     counts = {g: sum(structure(s) == g for s in batch[:n_model]) for g in groups}
