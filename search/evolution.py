@@ -232,41 +232,35 @@ class EvolutionarySearch:
         n_random = max(1, int(round(n * self.eps_greedy))) if ranked else n
         n_screen = min(n - n_random, int(round(n * self.screen_share))) if ranked else 0
         out, keys = [], set()
-        limit = n - n_random - n_screen
+        tilings: set[tuple] = set()
 
-        def take(s: list[Step]) -> bool:
+        def take(s: list[Step], cap: int) -> bool:
             k = schedule_key(s)
-            if k in keys or len(out) >= limit:
+            if k in keys or len(out) >= cap:
                 return False
             keys.add(k)
             out.append(s)
             return True
 
-        quota = self.sketch_quota(ranked, limit) if ranked else {}
-        tilings: set[tuple] = set()
-
-        def fresh(s: list[Step]) -> bool:
+        def take_fresh(s: list[Step], cap: int) -> bool:
             t = tiling(s)
-            return t not in tilings and self.tiling_count.get(t, 0) < TILING_REPEATS
+            if t in tilings or self.tiling_count.get(t, 0) >= TILING_REPEATS or not take(s, cap):
+                return False
+            tilings.add(t)
+            return True
 
+        n_evolved = n - n_random - n_screen
+        quota = self.sketch_quota(ranked, n_evolved) if ranked else {}
         for _, s in ranked:
             g = structure(s)
-            if quota.get(g, 0) > 0 and fresh(s) and take(s):
+            if quota.get(g, 0) > 0 and take_fresh(s, n_evolved):
                 quota[g] -= 1
-                tilings.add(tiling(s))
-        for _, s in ranked:
-            if fresh(s) and take(s):
-                tilings.add(tiling(s))
-        for _, s in ranked:
-            take(s)
-        if n_screen:
-            limit = n - n_random
-            pool = self.screened(self.screen_pool)
-            for _, s in pool:
-                if fresh(s) and take(s):
-                    tilings.add(tiling(s))
-            for _, s in pool:
-                take(s)
+        pool = self.screened(self.screen_pool) if n_screen else []
+        for cands, cap in ((ranked, n_evolved), (pool, n - n_random)):
+            for _, s in cands:  # one schedule per fresh tiling first, then the best of the rest
+                take_fresh(s, cap)
+            for _, s in cands:
+                take(s, cap)
         for _ in range(4):
             for s in sample_schedules(self.sketches, self.task.dag, n - len(out), self.rng):
                 k = schedule_key(s)

@@ -48,6 +48,11 @@ def _state_before(dag: ComputeDAG, steps: list[Step], idx: int) -> State:
     return state
 
 
+def innermost_loop(iter_name: str) -> str:
+    """The innermost of the loops a (possibly fused) loop name joins: `i.0@j.0` -> `j.0`."""
+    return iter_name.split("@")[-1]
+
+
 def retarget_attaches(dag: ComputeDAG, steps: list[Step]) -> list[Step]:
     """Compute-at steps (kept last) renamed to the loop that now holds their target loop: after a
     parallel mutation fused or unfused the target's outer loops, `j.0` may be `i.0@j.0` or the
@@ -57,10 +62,11 @@ def retarget_attaches(dag: ComputeDAG, steps: list[Step]) -> list[Step]:
         state = replay(dag, body)
     except (ScheduleError, ValueError):
         return steps
+    names = {st.name for st in state.stages}
     out = []
     for s in steps:
-        if s["kind"] == "compute_at" and s["target"] in {st.name for st in state.stages}:
-            last = s["iter"].split("@")[-1]
+        if s["kind"] == "compute_at" and s["target"] in names:
+            last = innermost_loop(s["iter"])
             hold = [lp.name for lp in state.stage(s["target"]).loops if last in lp.prims]
             if hold:
                 s = {**s, "iter": hold[0]}
@@ -136,7 +142,7 @@ def mutate_parallel(dag: ComputeDAG, steps: list[Step], rng: random.Random) -> l
     state = _state_before(dag, steps, j)
     for s in steps[i + 1:]:  # compute locations (kept last) limit which loops may be fused
         if s["kind"] == "compute_at" and s["target"] == stage:
-            state = state.with_stage(replace(state.stage(s["stage"]), attach=(stage, s["iter"].split("@")[-1])))
+            state = state.with_stage(replace(state.stage(s["stage"]), attach=(stage, innermost_loop(s["iter"]))))
     outer = _outer_spatial(state.stage(stage), state)
     n_old = len(steps[i]["iter"].split("@"))
     choices = [n for n in range(1, len(outer) + 1) if n != n_old]
@@ -201,7 +207,7 @@ def tiling(steps: list[Step]) -> tuple:
     model trained on a few dozen records cannot rank."""
     keep = STRUCTURE_KINDS + ("compute_at",)
     # a compute location by its innermost loop: `i.0@j.0` (fused for parallelism) is `j.0`
-    return tuple(json.dumps({**s, "iter": s["iter"].split("@")[-1]} if s["kind"] == "compute_at" else s,
+    return tuple(json.dumps({**s, "iter": innermost_loop(s["iter"])} if s["kind"] == "compute_at" else s,
                             sort_keys=True) for s in steps if s["kind"] in keep)
 
 

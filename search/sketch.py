@@ -226,12 +226,12 @@ def sample_factors(extent: int, n: int, rng: random.Random, max_inner: int = MAX
             out.append(inner)
             rest = -(-rest // inner)
             continue
-        ds = divisors(rest)
         if i > 0 and rest > 1 and rng.random() < DEGENERATE_PROB:
             f = rng.choice((1, rest))
             out.append(f)
             rest //= f
             continue
+        ds = divisors(rest)
         if i == 0 and pad and padded_tile_options(rest) and rng.random() < PADDED_TILE_PROB:
             f = rng.choice(padded_tile_options(rest))
             out.append(f)

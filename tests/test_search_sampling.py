@@ -14,6 +14,8 @@ from search.schedule import split_lengths
 from search.sketch import (DEGENERATE_PROB, REGISTER_TILE_PROB, REGISTER_TILE_VECTORS, generate_sketches,
                            register_tile_options, sample_factors, sample_schedules)
 
+from policy_stubs import TrainedLookingModel
+
 
 def test_sampled_factors_keep_the_split_rules_with_degenerate_levels():
     rng = random.Random(0)
@@ -61,13 +63,6 @@ def test_a_tile_mutation_can_empty_a_level_in_one_move():
             if x["kind"] == "split" and x["stage"] == "C" and x["iter"] == "j" and x["factors"] != [4, 4, 64]:
                 emptied += 1 in split_lengths(4096, x["factors"])
     assert emptied > 0
-
-
-class TrainedLookingModel:
-    n_samples = 100
-
-    def update(self, *a) -> None:
-        pass
 
 
 def test_model_picks_take_one_schedule_per_tiling(monkeypatch):

@@ -13,6 +13,7 @@ from search.record import TuningRecord
 from search.sketch import generate_sketches, sample_schedules
 
 from measured import measured_candidates
+from policy_stubs import TrainedLookingModel
 
 FAST = MeasureOptions(repeats=2, min_time_s=0.0)
 
@@ -97,15 +98,6 @@ def test_model_trained_on_other_tasks_ranks_a_new_one_better_than_chance():
     acc = float(np.mean(accs))
     print(f"transfer pairwise accuracy: xgboost {acc:.3f} (seeds {np.round(accs, 3)}), random scores {chance:.3f}")
     assert acc > 0.57 and acc > chance + 0.07
-
-
-class TrainedLookingModel:
-    """Stands in for a trained model (its scores are patched in by the test)."""
-
-    n_samples = 100
-
-    def update(self, *a) -> None:
-        pass
 
 
 def test_batch_spreads_over_sketches_by_their_best_measured_latency(monkeypatch):
