@@ -58,6 +58,17 @@ def program_vector(statements: Sequence[Statement]) -> np.ndarray:
     return np.concatenate([m.sum(0), m.max(0), [len(statements)]]).astype(np.float32)
 
 
+def prior_margin(programs: Sequence[Sequence[Statement]]) -> np.ndarray:
+    """-log2 of each program's analytic time estimate (the sum of its statements' `est_s`):
+    the score a ranking model starts from. 0 for a program without estimates."""
+    out = np.zeros(len(programs), dtype=np.float32)
+    for i, p in enumerate(programs):
+        est = sum(float(s.get("est_s", 0.0)) for s in p)
+        if est > 0:
+            out[i] = -math.log2(est)
+    return out
+
+
 def feature_matrix(programs: Sequence[Sequence[Statement]]) -> np.ndarray:
     if not programs:
         return np.zeros((0, 2 * len(STATEMENT_FEATURES) + 1), dtype=np.float32)

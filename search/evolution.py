@@ -226,8 +226,8 @@ class EvolutionarySearch:
         of n). The model's picks take one schedule per tiling and skip tilings measured
         TILING_REPEATS times while others are left: otherwise a batch fills with unroll and
         parallel variants of the current best tiling, which the model scores alike."""
-        cold = getattr(self.model, "n_samples", 1 << 30) < 4
-        # without a trained model the first batch is random
+        # a model that is neither trained nor ranking by a prior scores all alike: measure random ones
+        cold = not getattr(self.model, "informed", True)
         ranked: list[tuple[float, list[Step]]] = [] if cold else self.evolve()
         n_random = max(1, int(round(n * self.eps_greedy))) if ranked else n
         n_screen = min(n - n_random, int(round(n * self.screen_share))) if ranked else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 from .expr import Expr, Load, Var, op_counts, rebuild, variables
 from .codegen_c import register_tile
 from .lower import Alloc, For, Program, Store, _linear
+from .prior import statement_estimates
 
 
 def _access(index: Expr, loops: list[For]) -> tuple[list[bool], int]:
@@ -84,7 +85,8 @@ def _loads(e: Expr):
 def statement_features(prog: Program) -> list[dict[str, float]]:
     """One feature dict per store statement, in program order (a statement the C printer keeps in a
     register tile says how many elements the tile has). Each also carries the program's size
-    (`out_elems`, `io_bytes`), which the cost model divides work and traffic by."""
+    (`out_elems`, `io_bytes`), which the cost model divides work and traffic by, and its analytic
+    time estimate `est_s` (search.prior), which the cost model starts its ranking from."""
     out: list[dict[str, float]] = []
     size = {"out_elems": float(sum(b.size for b in prog.args if b.scope == "output")),
             "io_bytes": float(4 * sum(b.size for b in prog.args))}
@@ -105,4 +107,6 @@ def statement_features(prog: Program) -> list[dict[str, float]]:
                 out.append({**_statement(n, loops, local_bytes, register_elems), **size})
 
     walk(prog.body, [], 0, 0)
+    for f, est in zip(out, statement_estimates(prog)):
+        f["est_s"] = est
     return out

@@ -36,7 +36,8 @@ def test_learn_from_uses_only_other_tasks_successful_records_capped_per_task():
     assert capped.learn_from(recs, per_task=8) == 8
     fastest = sorted(r.latencies_s[0] for r in recs if r.ok and r.workload_key == other.workload_key)[:4]
     assert set(fastest) <= set(capped.model._lat)  # the best half is always kept
-    # pre-trained, the first batch is model-ranked: the same seed then picks other schedules
+    # pre-trained, the first batch is ranked by the trained model, not by the prior alone:
+    # the same seed then picks other schedules
     cold = EvolutionarySearch(own, seed=3).next_batch(4)
     assert pol.next_batch(4) != cold
 
