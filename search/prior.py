@@ -36,6 +36,7 @@ class CpuModel:
 # weight of one operation in vector-instruction slots: libmvec's expf/tanhf cost about ten
 OP_WEIGHT = {"add": 1.0, "mul": 1.0, "cmp": 1.0, "div": 4.0, "math": 10.0}
 LINE = 64
+ADD_LATENCY = 4  # cycles: one accumulator register's reduction chain adds once per latency
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ def _statement_cycles(st: Store, loops: list[For], in_register_tile: bool, m: Cp
         lanes = 1
     vec_iters = trips / lanes
     compute = vec_iters * max(ops, 1.0) / m.vector_ops_per_cycle
+    if st.reduce_op and not in_register_tile and inner is not None and not strides[0]:
+        compute = max(compute, vec_iters * ADD_LATENCY)  # one accumulator carried along the loop
     varying = [a for a, s in zip(accs, strides) if s] if inner else accs
     n_loads = sum(1 for a in varying if not a.is_store) + (1 if st.reduce_op and not in_register_tile and
                                                            any(a.is_store for a in varying) else 0)
