@@ -103,7 +103,8 @@ def _statement_cycles(st: Store, loops: list[For], in_register_tile: bool, m: Cp
     counts = op_counts(st.value)
     if st.reduce_op:
         counts["add" if st.reduce_op == "sum" else "cmp"] += 1
-    ops = sum(OP_WEIGHT.get(k, 1.0) * v for k, v in counts.items())
+    # a multiply feeding an add is one fused multiply-add instruction (-march=native, fast-math)
+    ops = sum(OP_WEIGHT.get(k, 1.0) * v for k, v in counts.items()) - min(counts["mul"], counts["add"])
     accs = [_access(st.index, True)] + [_access(ld.index[0], False) for ld in _loads(st.value)]
     inner = loops[-1] if loops else None
     strides = [a.coeffs.get(inner.var, 0) for a in accs] if inner else []
