@@ -95,8 +95,8 @@ class EvolutionarySearch:
 
     def learn_from(self, records: Sequence[TuningRecord], per_task: int = TRANSFER_PER_TASK) -> int:
         """Train the cost model on measured records of *other* tasks, one ranking group per
-        task (Ansor keeps one model per tuning job): the first batch is then model-ranked
-        instead of random. Uses each task's best `per_task` records plus an even spread of the
+        task (Ansor keeps one model per tuning job): the first batch is then ranked by that
+        model on top of the prior, not by the prior alone. Uses each task's best `per_task` records plus an even spread of the
         rest; returns how many were used."""
         by_task: dict[str, list[TuningRecord]] = {}
         for r in records:
