@@ -96,8 +96,8 @@ class EvolutionarySearch:
     def learn_from(self, records: Sequence[TuningRecord], per_task: int = TRANSFER_PER_TASK) -> int:
         """Train the cost model on measured records of *other* tasks, one ranking group per
         task (Ansor keeps one model per tuning job): the first batch is then ranked by that
-        model on top of the prior, not by the prior alone. Uses each task's best `per_task` records plus an even spread of the
-        rest; returns how many were used."""
+        model on top of the prior, not by the prior alone. Uses each task's best `per_task`
+        records plus an even spread of the rest; returns how many were used."""
         by_task: dict[str, list[TuningRecord]] = {}
         for r in records:
             if r.ok and r.workload_key != self.task.workload_key:
@@ -222,7 +222,7 @@ class EvolutionarySearch:
         evolution, spread over sketches by `sketch_quota` (a sketch with too few candidates
         leaves its slots to the best predicted of the rest). Screened exploration
         (`screen_share` of n): the model's best of `screen_pool` new random schedules, so
-        exploration follows the prior and the model, not the prior alone. Random (`eps_greedy`
+        exploration follows the random sampler and the model, not the sampler alone. Random (`eps_greedy`
         of n). The model's picks take one schedule per tiling and skip tilings measured
         TILING_REPEATS times while others are left: otherwise a batch fills with unroll and
         parallel variants of the current best tiling, which the model scores alike."""

@@ -1,9 +1,9 @@
 """Per-statement features of a lowered program, as plain dicts for `cost_model`."""
 from __future__ import annotations
 
-from .expr import Expr, Load, Var, op_counts, rebuild, variables
+from .expr import Expr, Var, loads, variables
 from .codegen_c import register_tile
-from .lower import Alloc, For, Program, Store, _linear
+from .lower import Alloc, For, Program, Store, _linear, store_op_counts, trip_count
 from .prior import statement_estimates
 
 
@@ -28,16 +28,12 @@ def _touched(uses: list[bool], loops: list[For], first: int = 0) -> int:
 
 
 def _statement(st: Store, loops: list[For], local_bytes: int, register_elems: int = 0) -> dict[str, float]:
-    trips = 1
-    for lp in loops:
-        trips *= lp.extent
-    ops = op_counts(st.value)
-    if st.reduce_op:
-        ops["add" if st.reduce_op == "sum" else "cmp"] += 1
+    trips = trip_count(loops)
+    ops = store_op_counts(st)
     f: dict[str, float] = {f"flops_{k}": v * trips for k, v in ops.items()}
     f["flops_total"] = sum(ops.values()) * trips
     f["is_reduction"] = float(st.reduce_op is not None)
-    f["is_init"] = float(not st.reduce_op and not list(_loads(st.value)) and st.buffer.scope != "output")
+    f["is_init"] = float(not st.reduce_op and not loads(st.value) and st.buffer.scope != "output")
     f["n_loops"] = len(loops)
     f["iterations"] = trips
     f["innermost_extent"] = loops[-1].extent if loops else 1
@@ -49,7 +45,7 @@ def _statement(st: Store, loops: list[For], local_bytes: int, register_elems: in
     for e in unrolled:
         p *= e
     f["unroll_product"] = p if unrolled else 0
-    accesses = [(st.buffer.name, st.buffer.scope, st.index)] + [(ld.tensor, "", ld.index[0]) for ld in _loads(st.value)]
+    accesses = [(st.buffer.name, st.buffer.scope, st.index)] + [(ld.tensor, "", ld.index[0]) for ld in loads(st.value)]
     total, reuse, strides = 0, [], []
     inner = [0, 0, 0, 0]
     for name, scope, ix in accesses:
@@ -74,12 +70,6 @@ def _statement(st: Store, loops: list[For], local_bytes: int, register_elems: in
     f["register_tile_elems"] = register_elems
     f["register_tile_vectors"] = -(-register_elems // 16)
     return f
-
-
-def _loads(e: Expr):
-    out: list[Load] = []
-    rebuild(e, lambda n: (out.append(n) if isinstance(n, Load) else None) or n)
-    return out
 
 
 def statement_features(prog: Program) -> list[dict[str, float]]:

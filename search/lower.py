@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .expr import Bin, Const, Expr, Load, Var, affine, rebuild, simplify, substitute, variables
+from .expr import Bin, Const, Expr, Load, Var, affine, op_counts, rebuild, simplify, substitute, variables
 from .schedule import Loop, ScheduleError, State, StageState
 
 MAX_LOCAL_ELEMS = 1 << 20  # per-tile buffers: 4 MiB of fp32 at most (over 64 KiB they go on the heap)
@@ -47,6 +47,22 @@ class Store:
     reduce_op: str | None
     stage: str
     guard: tuple[tuple[Expr, int], ...] = ()  # store only where every `expr < bound` (padded output tiles)
+
+
+def trip_count(loops: list[For]) -> int:
+    """Iterations of the innermost body of `loops`."""
+    n = 1
+    for lp in loops:
+        n *= lp.extent
+    return n
+
+
+def store_op_counts(st: Store) -> dict[str, int]:
+    """Floating-point operations of one execution of `st`, by kind, its reduction's combine included."""
+    ops = op_counts(st.value)
+    if st.reduce_op:
+        ops["add" if st.reduce_op == "sum" else "cmp"] += 1
+    return ops
 
 
 @dataclass

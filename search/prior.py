@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass, field
 
 from .codegen_c import register_tile
-from .expr import Expr, Load, Var, op_counts, rebuild, variables
-from .lower import Alloc, For, Program, Store, _linear
+from .expr import Expr, Var, loads, variables
+from .lower import Alloc, For, Program, Store, _linear, store_op_counts, trip_count
 
 
 @dataclass(frozen=True)
@@ -57,12 +57,6 @@ def _access(index: Expr, is_store: bool) -> _Access:
     return _Access(out, is_store)
 
 
-def _loads(e: Expr) -> list[Load]:
-    out: list[Load] = []
-    rebuild(e, lambda n: (out.append(n) if isinstance(n, Load) else None) or n)
-    return out
-
-
 def _bytes(acc: _Access, loops: list[For]) -> float:
     """Bytes of cache lines `acc` touches over `loops` (footprint, counting partial lines)."""
     elems, unit_run = 1, 1
@@ -90,22 +84,15 @@ def _traffic(accs: list[_Access], loops: list[For], capacity: int) -> float:
             fit = k
         else:
             break
-    outer = 1
-    for lp in loops[:n - fit]:
-        outer *= lp.extent
-    return outer * sum(_bytes(a, loops[n - fit:]) for a in accs)
+    return trip_count(loops[:n - fit]) * sum(_bytes(a, loops[n - fit:]) for a in accs)
 
 
 def _statement_cycles(st: Store, loops: list[For], in_register_tile: bool, m: CpuModel) -> float:
-    trips = 1
-    for lp in loops:
-        trips *= lp.extent
-    counts = op_counts(st.value)
-    if st.reduce_op:
-        counts["add" if st.reduce_op == "sum" else "cmp"] += 1
+    trips = trip_count(loops)
+    counts = store_op_counts(st)
     # a multiply feeding an add is one fused multiply-add instruction (-march=native, fast-math)
     ops = sum(OP_WEIGHT.get(k, 1.0) * v for k, v in counts.items()) - min(counts["mul"], counts["add"])
-    accs = [_access(st.index, True)] + [_access(ld.index[0], False) for ld in _loads(st.value)]
+    accs = [_access(st.index, True)] + [_access(ld.index[0], False) for ld in loads(st.value)]
     inner = loops[-1] if loops else None
     strides = [a.coeffs.get(inner.var, 0) for a in accs] if inner else []
     if in_register_tile:
@@ -145,10 +132,7 @@ def statement_estimates(prog: Program, model: CpuModel | None = None) -> list[fl
                 sp = speedup
                 if n.ann == "parallel" and speedup == 1.0:
                     sp = n.extent / -(-n.extent // m.cores)
-                    entries = 1
-                    for lp in loops:
-                        entries *= lp.extent
-                    pending[0] += entries * m.fork_join_s
+                    pending[0] += trip_count(loops) * m.fork_join_s
                 tile = in_tile or (n.ann != "parallel" and register_tile(n) is not None)
                 walk(n.body, loops + [n], sp, tile)
             elif isinstance(n, Store):
