@@ -1,5 +1,8 @@
 """An analytic latency estimate of a lowered program on a CPU: per statement, the largest of
 its vector compute, load/store, L2 and memory-traffic times, divided by its parallel speed-up.
+A register-tiled reduction is costed per reduction step (FMAs of all its accumulators, bounded
+by their add latency when they are few, against the loads and broadcasts feeding them) plus the
+copy of its output tile in and out of registers.
 
 The search uses it as the cost model's prior: before the model has measurements of a region
 of the schedule space it ranks by this estimate, and measurements correct it (see
@@ -37,6 +40,9 @@ class CpuModel:
 OP_WEIGHT = {"add": 1.0, "mul": 1.0, "cmp": 1.0, "div": 4.0, "math": 10.0}
 LINE = 64
 ADD_LATENCY = 4  # cycles: one accumulator register's reduction chain adds once per latency
+# share of the smaller of a register tile's FMA and load times that the larger does not hide
+# (FMAs with broadcast operands and loads compete for the same ports)
+PORT_OVERLAP_LOSS = 0.5
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,9 @@ def _bytes(acc: _Access, loops: list[For]) -> float:
 
 def _traffic(accs: list[_Access], loops: list[For], capacity: int) -> float:
     """Bytes moved into a cache of `capacity`: the innermost loops whose footprint fits are
-    reused, every iteration of the loops outside them reloads that footprint."""
+    reused; the next loop out moves its whole footprint (consecutive iterations share the
+    lines they both touch, since one iteration's data fits), and each iteration of the loops
+    outside it moves that again."""
     n = len(loops)
     fit = 0
     for k in range(1, n + 1):
@@ -84,10 +92,47 @@ def _traffic(accs: list[_Access], loops: list[For], capacity: int) -> float:
             fit = k
         else:
             break
-    return trip_count(loops[:n - fit]) * sum(_bytes(a, loops[n - fit:]) for a in accs)
+    level = max(n - fit - 1, 0)
+    return trip_count(loops[:level]) * sum(_bytes(a, loops[level:]) for a in accs)
 
 
-def _statement_cycles(st: Store, loops: list[For], in_register_tile: bool, m: CpuModel) -> float:
+def _tile_cycles(st: Store, loops: list[For], red: For, inner: list[For], m: CpuModel) -> float:
+    """Cycles of a register-tiled reduction: per step of the reduction loop every accumulator
+    vector gets one update (bounded by the FMA ports and by the add latency when there are few
+    accumulators) and each input vector or broadcast is loaded once; before and after the
+    reduction loop the output tile is copied in and out of the registers."""
+    trips = trip_count(loops)
+    tile = trip_count(inner)
+    counts = store_op_counts(st)
+    ops = sum(OP_WEIGHT.get(k, 1.0) * v for k, v in counts.items()) - min(counts["mul"], counts["add"])
+    out_acc = _access(st.index, True)
+    vec = inner[-1]
+    vl = min(m.lanes, vec.extent) if out_acc.coeffs.get(vec.var) == 1 else 1
+    acc_vectors = tile / vl
+    steps = trips / tile
+    compute = steps * max(acc_vectors * max(ops, 1.0) / m.vector_ops_per_cycle, ADD_LATENCY)
+    n_loads = 0.0
+    for ld in loads(st.value):
+        a = _access(ld.index[0], False)
+        n = 1.0
+        for lp in inner:
+            c = a.coeffs.get(lp.var, 0)
+            if c:
+                n *= lp.extent / vl if (lp is vec and c == 1) else lp.extent
+        n_loads += n
+    load = steps * n_loads / m.loads_per_cycle
+    body = max(compute, load) + PORT_OVERLAP_LOSS * min(compute, load)
+    instances = trips / (tile * red.extent)
+    line_bytes = min(LINE, vl * 4)
+    # the output tile's lines are copied in and out once per tile, from L2 when its block is large
+    copy = instances * acc_vectors * 2 * line_bytes / m.l2_bytes_per_cycle
+    accs = [_access(ld.index[0], False) for ld in loads(st.value)]
+    l2 = _traffic(accs, loops, m.l1_bytes) / m.l2_bytes_per_cycle
+    mem = _traffic(accs, loops, m.l2_bytes) / m.mem_bytes_per_cycle
+    return max(body, l2, mem) + copy
+
+
+def _statement_cycles(st: Store, loops: list[For], m: CpuModel) -> float:
     trips = trip_count(loops)
     counts = store_op_counts(st)
     # a multiply feeding an add is one fused multiply-add instruction (-march=native, fast-math)
@@ -95,22 +140,18 @@ def _statement_cycles(st: Store, loops: list[For], in_register_tile: bool, m: Cp
     accs = [_access(st.index, True)] + [_access(ld.index[0], False) for ld in loads(st.value)]
     inner = loops[-1] if loops else None
     strides = [a.coeffs.get(inner.var, 0) for a in accs] if inner else []
-    if in_register_tile:
-        lanes = m.lanes
-    elif inner is not None and all(s <= 1 for s in strides):
+    if inner is not None and all(s <= 1 for s in strides):
         lanes = min(m.lanes, inner.extent)
     else:
         lanes = 1
     vec_iters = trips / lanes
     compute = vec_iters * max(ops, 1.0) / m.vector_ops_per_cycle
-    if st.reduce_op and not in_register_tile and inner is not None and not strides[0]:
+    if st.reduce_op and inner is not None and not strides[0]:
         compute = max(compute, vec_iters * ADD_LATENCY)  # one accumulator carried along the loop
     varying = [a for a, s in zip(accs, strides) if s] if inner else accs
-    n_loads = sum(1 for a in varying if not a.is_store) + (1 if st.reduce_op and not in_register_tile and
+    n_loads = sum(1 for a in varying if not a.is_store) + (1 if st.reduce_op and
                                                            any(a.is_store for a in varying) else 0)
-    n_stores = 0 if in_register_tile else sum(1 for a in varying if a.is_store)
-    if in_register_tile:  # one broadcast or vector load feeds several accumulators
-        n_loads = n_loads / 4
+    n_stores = sum(1 for a in varying if a.is_store)
     load_store = vec_iters * max(n_loads / m.loads_per_cycle, n_stores / m.stores_per_cycle)
     l2 = _traffic(accs, loops, m.l1_bytes) / m.l2_bytes_per_cycle
     mem = _traffic(accs, loops, m.l2_bytes) / m.mem_bytes_per_cycle
@@ -124,7 +165,7 @@ def statement_estimates(prog: Program, model: CpuModel | None = None) -> list[fl
     out: list[float] = []
     pending = [0.0]
 
-    def walk(nodes, loops: list[For], speedup: float, in_tile: bool) -> None:
+    def walk(nodes, loops: list[For], speedup: float) -> None:
         for n in nodes:
             if isinstance(n, Alloc):
                 continue
@@ -133,13 +174,18 @@ def statement_estimates(prog: Program, model: CpuModel | None = None) -> list[fl
                 if n.ann == "parallel" and speedup == 1.0:
                     sp = n.extent / -(-n.extent // m.cores)
                     pending[0] += trip_count(loops) * m.fork_join_s
-                tile = in_tile or (n.ann != "parallel" and register_tile(n) is not None)
-                walk(n.body, loops + [n], sp, tile)
+                found = register_tile(n) if n.ann != "parallel" else None
+                if found is not None:
+                    inner, st = found
+                    out.append(_tile_cycles(st, loops + [n] + inner, n, inner, m) / m.hz / sp + pending[0])
+                    pending[0] = 0.0
+                    continue
+                walk(n.body, loops + [n], sp)
             elif isinstance(n, Store):
-                out.append(_statement_cycles(n, loops, in_tile, m) / m.hz / speedup + pending[0])
+                out.append(_statement_cycles(n, loops, m) / m.hz / speedup + pending[0])
                 pending[0] = 0.0
 
-    walk(prog.body, [], 1.0, False)
+    walk(prog.body, [], 1.0)
     return out
 
 
