@@ -10,6 +10,7 @@ from .lower import Alloc, For, Program, Store
 
 KERNEL_SYMBOL = "kernel"
 MAX_REGISTER_TILE = 512  # fp32 elements: the 32 AVX-512 registers hold 512 floats
+MAX_UNROLL = 64  # `#pragma GCC unroll` depth cap: deeper made gcc take over 10 s per kernel
 MAX_STACK_ELEMS = 16384  # larger per-tile buffers are heap-allocated (OpenMP threads' stacks are small)
 
 
@@ -27,7 +28,7 @@ def _pragma(n: For) -> str | None:
     if n.ann == "vectorize":
         return "#pragma omp simd"
     if n.ann == "unroll":
-        return f"#pragma GCC unroll {min(n.extent, 64)}"
+        return f"#pragma GCC unroll {min(n.extent, MAX_UNROLL)}"
     return None
 
 
