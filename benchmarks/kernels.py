@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from search import Task, build, tune  # noqa: E402
+from search.buffers import aligned_copy, aligned_empty  # noqa: E402
 from search.database import TuningDB  # noqa: E402
 from search.measure import MeasureOptions, best_run_s  # noqa: E402
 
@@ -63,7 +64,7 @@ def _reference_fns(task: Task):
 
     ins = task.random_inputs(0)
     p = dict(task.params)
-    args = [ins[n] for n, _ in task.input_shapes]
+    args = [aligned_copy(ins[n]) for n, _ in task.input_shapes]
     if task.op in ("matmul", "batch_matmul"):
         jf, nf = (lambda a, b: a @ b), (lambda a, b: a @ b)
     elif task.op == "dense":
@@ -97,12 +98,12 @@ def head_to_head(task: Task, schedules: dict[str, list], rounds: int = 5) -> dic
     apart and the machine's speed drifts (XLA's W2 took 25-70 ms on different runs of the same
     day), so the "vs XLA" ratio and the policies' 64-trial comparison come from here."""
     ins = task.random_inputs(0)
-    args = [ins[n] for n, _ in task.input_shapes]
+    args = [aligned_copy(ins[n]) for n, _ in task.input_shapes]  # as the tuner's runner times them
     fns = {"xla": _reference_fns(task)[0]}
     for name, sched in schedules.items():
         if sched is not None:
             k = build(task, sched)
-            out = np.empty(task.output_shape, task.dtype)
+            out = aligned_empty(task.output_shape, task.dtype)
             fns[name] = (lambda k=k, out=out: k(*args, out=out))
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
@@ -235,7 +236,7 @@ def main() -> None:
                 # workloads' records (transfer), and only from those it measured itself
                 entry[policy] = tuning_run(task, policy, trials, db.replace(".sqlite", f"_{policy}.sqlite"))
                 _save(result)
-                print(w, policy, json.dumps({k: v for k, v in entry[policy].items() if k != "best_schedule"}),
+                print(w, policy, json.dumps({k: v for k, v in entry[policy].items() if not k.startswith("best_schedule")}),
                       flush=True)
         scheds = {}
         for p in ("evolutionary", "random"):

@@ -22,6 +22,7 @@ sys.path.insert(0, ROOT)
 
 from cost_model import pairwise_accuracy  # noqa: E402
 from search import Task, build  # noqa: E402
+from search.buffers import aligned_copy, aligned_empty  # noqa: E402
 from search.lower import lower  # noqa: E402
 from search.prior import estimate_s  # noqa: E402
 from search.schedule import replay  # noqa: E402
@@ -51,8 +52,8 @@ def main() -> None:
 
     task = Task.matmul(512, 512, 512)
     inputs = task.random_inputs(0)
-    call_args = [inputs[n] for n, _ in task.input_shapes]
-    out = np.empty(task.output_shape, np.float32)
+    call_args = [aligned_copy(inputs[n]) for n, _ in task.input_shapes]
+    out = aligned_empty(task.output_shape, np.float32)
     rows = []
     for r in (1, 2, 4, 8, 16):
         for v in (1, 2, 4):

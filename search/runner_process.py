@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from .backend import CBackend, call_kernel
+from .buffers import aligned_copy, aligned_empty
 from .task import Task
 
 
@@ -50,8 +51,8 @@ def main() -> None:
     task, o = Task.from_dict(hello["task"]), hello["options"]
     ins = task.random_inputs(seed=0)
     ref = task.reference(ins)
-    arrays = [ins[n] for n, _ in task.input_shapes]
-    out = np.empty(task.output_shape, dtype=task.dtype)
+    arrays = [aligned_copy(ins[n]) for n, _ in task.input_shapes]
+    out = aligned_empty(task.output_shape, task.dtype)
     backend = CBackend(workdir=".")
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .backend import CBackend, call_kernel
+from .buffers import aligned_empty
 from .evolution import EvolutionarySearch, RandomSearch, SearchPolicy
 from .measure import MeasureOptions, ProgramMeasurer, best_run_s
 from .record import TuningRecord
@@ -135,7 +136,7 @@ class Kernel:
                 raise ValueError(f"{self.task}: input {name!r} has shape {x.shape}, expected {shape}")
             arrays.append(np.ascontiguousarray(x, dtype=self.task.dtype))
         if out is None:
-            out = np.empty(self.task.output_shape, dtype=self.task.dtype)
+            out = aligned_empty(self.task.output_shape, self.task.dtype)
         elif out.shape != self.task.output_shape or out.dtype != np.dtype(self.task.dtype) \
                 or not out.flags.c_contiguous:
             raise ValueError(f"{self.task}: out must be a C-contiguous {self.task.dtype} array of shape "
