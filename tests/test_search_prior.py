@@ -91,13 +91,14 @@ def test_recomputing_row_statistics_per_tile_is_estimated_far_slower():
 
 def test_prior_ranks_measured_schedules_better_than_chance():
     """Single-threaded measurements of 80 random 64^3 matmul schedules (the cost-model test's
-    set). Measured: 0.59-0.60 here (chance 0.5); 0.64-0.82 on the benchmark's workloads."""
+    set). Measured: 0.84 here (0.59-0.60 before the register-tile model; chance 0.5),
+    0.68-0.85 on the benchmark's workloads."""
     task = Task.matmul(64, 64, 64)
     scheds, lat = measured_schedules(task, 80, 11)
     scores = [-est(task, s) for s in scheds]
     acc = pairwise_accuracy(scores, lat)
     print(f"prior pairwise accuracy on {len(lat)} measured matmul schedules: {acc:.3f}")
-    assert acc > 0.55
+    assert acc > 0.7
 
 
 def _progs(task: Task, n: int, seed: int) -> list:
