@@ -178,9 +178,9 @@ def tuning_run(task: Task, policy: str, trials: int, db: str, checkpoints=(64, 2
     for c in checkpoints:
         if c <= res.trials:
             out[f"best_s@{c}"] = res.best_after(c)
-            first = [r for r in res.records[:c] if r.ok]
-            if first:
-                out[f"best_schedule@{c}"] = min(first, key=best_run_s).schedule
+            sched = _fastest_schedule(res.records[:c])
+            if sched is not None:
+                out[f"best_schedule@{c}"] = sched
             out[f"time_s@{c}"] = next((h[2] for h in res.history if h[0] >= c), res.tuning_time_s)
     out["best_s"] = res.best_latency_s
     out["best_schedule"] = res.best_schedule
@@ -236,8 +236,8 @@ def main() -> None:
                 # workloads' records (transfer), and only from those it measured itself
                 entry[policy] = tuning_run(task, policy, trials, db.replace(".sqlite", f"_{policy}.sqlite"))
                 _save(result)
-                print(w, policy, json.dumps({k: v for k, v in entry[policy].items() if not k.startswith("best_schedule")}),
-                      flush=True)
+                shown = {k: v for k, v in entry[policy].items() if not k.startswith("best_schedule")}
+                print(w, policy, json.dumps(shown), flush=True)
         scheds = {}
         for p in ("evolutionary", "random"):
             if p in entry:
@@ -254,15 +254,19 @@ def _save(result: dict) -> None:
         json.dump(result, f, indent=1)
 
 
+def _fastest_schedule(records: list) -> list | None:
+    """The schedule of the fastest successful record among `records` (None if none ran)."""
+    ok = [r for r in records if r.ok]
+    return min(ok, key=best_run_s).schedule if ok else None
+
+
 def best_of_first(db_path: str, task: Task, n: int) -> list | None:
     """The schedule of the fastest successful record among the first `n` of `task` in a DB."""
     db = TuningDB(db_path)
     try:
-        recs = [r for r in db.records() if r.workload_key == task.workload_key][:n]
+        return _fastest_schedule([r for r in db.records() if r.workload_key == task.workload_key][:n])
     finally:
         db.close()
-    ok = [r for r in recs if r.ok]
-    return min(ok, key=best_run_s).schedule if ok else None
 
 
 def _h2h_best(h: dict) -> float:
@@ -289,14 +293,13 @@ def print_table(result: dict) -> None:
         t.add_column(c, justify="right")
     ms = lambda x: f"{x * 1e3:.3f}" if x is not None and x < float("inf") else "-"  # noqa: E731
     for w, e in result["workloads"].items():
-        ev, rd = e.get("evolutionary", {}), e.get("random", {})
+        ev, rd, h = e.get("evolutionary", {}), e.get("random", {}), e.get("head_to_head") or {}
         best = min(ev.get("best_s", float("inf")), rd.get("best_s", float("inf")))
         roof = max(e["gflop"] * 1e9 / m["peak_flops_per_s"], e["min_mbytes"] * 1e6 / m["triad_bytes_per_s"])
         t.add_row(w, ms(e["xla_s"]), ms(e["numpy_s"]), ms(ev.get("best_s@64")), ms(ev.get("best_s@256")),
                   f"{ev.get('tuning_time_s', 0):.0f}", ms(rd.get("best_s@64")), ms(rd.get("best_s@256")),
                   f"{rd.get('tuning_time_s', 0):.0f}", f"{e['xla_s'] / best:.2f}x" if best < float('inf') else "-",
-                  *_h2h_cells(e.get("head_to_head"), ms), ms((e.get("head_to_head") or {}).get("evolutionary@64_s")),
-                  ms((e.get("head_to_head") or {}).get("random@64_s")), ms(roof))
+                  *_h2h_cells(h, ms), ms(h.get("evolutionary@64_s")), ms(h.get("random@64_s")), ms(roof))
     Console(width=200).print(t)
     for line in target_lines(result):
         print(line)

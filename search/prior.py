@@ -98,6 +98,19 @@ def _traffic(accs: list[_Access], loops: list[For], capacity: int) -> float:
     return trip_count(loops[:level]) * sum(_bytes(a, loops[level:]) for a in accs)
 
 
+def _vector_ops(st: Store) -> float:
+    """Weighted vector instructions per iteration of `st`; a multiply feeding an add is one
+    fused multiply-add instruction (-march=native, fast-math)."""
+    counts = store_op_counts(st)
+    return sum(OP_WEIGHT.get(k, 1.0) * v for k, v in counts.items()) - min(counts["mul"], counts["add"])
+
+
+def _cache_cycles(accs: list[_Access], loops: list[For], m: CpuModel) -> float:
+    """The larger of the L1<-L2 and L2<-memory traffic times of `accs` over `loops`."""
+    return max(_traffic(accs, loops, m.l1_bytes) / m.l2_bytes_per_cycle,
+               _traffic(accs, loops, m.l2_bytes) / m.mem_bytes_per_cycle)
+
+
 def _tile_cycles(st: Store, loops: list[For], red: For, inner: list[For], m: CpuModel) -> float:
     """Cycles of a register-tiled reduction: per step of the reduction loop every accumulator
     vector gets one update (bounded by the FMA ports and by the add latency when there are few
@@ -105,9 +118,9 @@ def _tile_cycles(st: Store, loops: list[For], red: For, inner: list[For], m: Cpu
     reduction loop the output tile is copied in and out of the registers."""
     trips = trip_count(loops)
     tile = trip_count(inner)
-    counts = store_op_counts(st)
-    ops = sum(OP_WEIGHT.get(k, 1.0) * v for k, v in counts.items()) - min(counts["mul"], counts["add"])
+    ops = _vector_ops(st)
     out_acc = _access(st.index, True)
+    ins = [_access(ld.index[0], False) for ld in loads(st.value)]
     vec = inner[-1]
     # the printer fully unrolls every tile loop but the vectorised one (up to 64 iterations);
     # gcc leaves such a straight-line tile scalar (W1 8 x 32: 41 ms instead of 0.88)
@@ -118,8 +131,7 @@ def _tile_cycles(st: Store, loops: list[For], red: For, inner: list[For], m: Cpu
     compute = steps * max(acc_vectors * max(ops, 1.0) / m.vector_ops_per_cycle, ADD_LATENCY)
     spilled = max(0.0, acc_vectors - m.registers + OPERAND_REGISTERS)  # loaded and stored every step
     n_loads = 0.0
-    for ld in loads(st.value):
-        a = _access(ld.index[0], False)
+    for a in ins:
         n = 1.0
         for lp in inner:
             c = a.coeffs.get(lp.var, 0)
@@ -132,17 +144,12 @@ def _tile_cycles(st: Store, loops: list[For], red: For, inner: list[For], m: Cpu
     line_bytes = min(LINE, vl * 4)
     # the output tile's lines are copied in and out once per tile, from L2 when its block is large
     copy = instances * acc_vectors * 2 * line_bytes / m.l2_bytes_per_cycle
-    accs = [_access(ld.index[0], False) for ld in loads(st.value)]
-    l2 = _traffic(accs, loops, m.l1_bytes) / m.l2_bytes_per_cycle
-    mem = _traffic(accs, loops, m.l2_bytes) / m.mem_bytes_per_cycle
-    return max(body, l2, mem) + copy
+    return max(body, _cache_cycles(ins, loops, m)) + copy
 
 
 def _statement_cycles(st: Store, loops: list[For], m: CpuModel) -> float:
     trips = trip_count(loops)
-    counts = store_op_counts(st)
-    # a multiply feeding an add is one fused multiply-add instruction (-march=native, fast-math)
-    ops = sum(OP_WEIGHT.get(k, 1.0) * v for k, v in counts.items()) - min(counts["mul"], counts["add"])
+    ops = _vector_ops(st)
     accs = [_access(st.index, True)] + [_access(ld.index[0], False) for ld in loads(st.value)]
     inner = loops[-1] if loops else None
     strides = [a.coeffs.get(inner.var, 0) for a in accs] if inner else []
@@ -159,9 +166,7 @@ def _statement_cycles(st: Store, loops: list[For], m: CpuModel) -> float:
                                                            any(a.is_store for a in varying) else 0)
     n_stores = sum(1 for a in varying if a.is_store)
     load_store = vec_iters * max(n_loads / m.loads_per_cycle, n_stores / m.stores_per_cycle)
-    l2 = _traffic(accs, loops, m.l1_bytes) / m.l2_bytes_per_cycle
-    mem = _traffic(accs, loops, m.l2_bytes) / m.mem_bytes_per_cycle
-    return max(compute, load_store, l2, mem)
+    return max(compute, load_store, _cache_cycles(accs, loops, m))
 
 
 def statement_estimates(prog: Program, model: CpuModel | None = None) -> list[float]:
