@@ -76,6 +76,10 @@ class XGBoostCostModel:
         d.set_group(sizes)
         self.booster = xgb.train(self.params, d, num_boost_round=self.n_rounds)
 
+    def prior_scores(self, programs: Sequence[Sequence[Statement]]) -> np.ndarray:
+        """The prior's scores alone, without the trees."""
+        return (prior_margin(programs) * self.prior_weight).astype(np.float64)
+
     def predict(self, programs: Sequence[Sequence[Statement]]) -> np.ndarray:
         """Scores (higher = predicted faster): the prior alone before the model has data (all
         zeros without a prior)."""

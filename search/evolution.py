@@ -82,6 +82,7 @@ class EvolutionarySearch:
         self.sketch_best: dict[tuple, float] = {}  # structure -> best latency measured (inf: all failed)
         self.tiling_count: dict[tuple, int] = {}   # tiling -> schedules measured with it
         self._features: dict[str, list[dict[str, float]]] = {}
+        self.own_samples = 0  # successful measurements of this task the model was trained on
 
     # ---- cost model ----
     def features(self, steps: list[Step]) -> list[dict[str, float]]:
@@ -95,9 +96,10 @@ class EvolutionarySearch:
 
     def learn_from(self, records: Sequence[TuningRecord], per_task: int = TRANSFER_PER_TASK) -> int:
         """Train the cost model on measured records of *other* tasks, one ranking group per
-        task (Ansor keeps one model per tuning job): the first batch is then ranked by that
-        model on top of the prior, not by the prior alone. Uses each task's best `per_task`
-        records plus an even spread of the rest; returns how many were used."""
+        task (Ansor keeps one model per tuning job). They join this task's own records in every
+        refit; the trees rank this task's candidates once it has measurements of its own (see
+        `scores`). Uses each task's best `per_task` records plus an even spread of the rest;
+        returns how many were used."""
         by_task: dict[str, list[TuningRecord]] = {}
         for r in records:
             if r.ok and r.workload_key != self.task.workload_key:
@@ -124,7 +126,13 @@ class EvolutionarySearch:
         return len(feats)
 
     def scores(self, pop: list[list[Step]]) -> list[float]:
-        return list(self.model.predict([self.features(s) for s in pop]))
+        """Model scores (higher = predicted faster). Until this task has measurements of its own,
+        the prior's alone: trees fitted only on other tasks' records chose W2's first batch worse
+        than the prior, and differently with every source run (docs/search.md, "Transfer")."""
+        feats = [self.features(s) for s in pop]
+        if self.own_samples == 0 and hasattr(self.model, "prior_scores"):
+            return list(self.model.prior_scores(feats))
+        return list(self.model.predict(feats))
 
     def update(self, schedules: Sequence[list[Step]], records: Sequence[TuningRecord]) -> None:
         """Remember measurements, keep the best schedules, retrain the cost model on all data."""
@@ -146,6 +154,7 @@ class EvolutionarySearch:
         self.best.sort(key=lambda x: x[0])
         del self.best[self.elite * 16:]
         if feats:
+            self.own_samples += len(feats)
             self.model.update(feats, lats, [self.task.workload_key] * len(feats))
 
     # ---- evolution ----

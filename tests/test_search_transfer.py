@@ -36,10 +36,23 @@ def test_learn_from_uses_only_other_tasks_successful_records_capped_per_task():
     assert capped.learn_from(recs, per_task=8) == 8
     fastest = sorted(r.latencies_s[0] for r in recs if r.ok and r.workload_key == other.workload_key)[:4]
     assert set(fastest) <= set(capped.model._lat)  # the best half is always kept
-    # pre-trained, the first batch is ranked by the trained model, not by the prior alone:
-    # the same seed then picks other schedules
-    cold = EvolutionarySearch(own, seed=3).next_batch(4)
-    assert pol.next_batch(4) != cold
+
+
+def test_pretrained_trees_rank_a_task_only_after_its_own_measurements():
+    own, other = Task.matmul(32, 32, 16), Task.softmax(16, 32)
+    pol = EvolutionarySearch(own, seed=3)
+    assert pol.learn_from(fake_records(other, 30, 0)) == 30 and pol.model.booster is not None
+    cands = sample_schedules(pol.sketches, own.dag, 24, random.Random(5))
+    feats = [pol.features(s) for s in cands]
+    prior = pol.model.prior_scores(feats)
+    assert np.allclose(pol.scores(cands), prior)
+    # the first batch is the one a cold policy with the same seed picks
+    assert pol.next_batch(4) == EvolutionarySearch(own, seed=3).next_batch(4)
+    mine = fake_records(own, 8, 2)
+    pol.update([r.schedule for r in mine], mine)
+    assert pol.own_samples == 8
+    trees = np.asarray(pol.scores(cands))
+    assert np.allclose(trees, pol.model.predict(feats)) and not np.allclose(trees, prior)
 
 
 def test_tune_pretrains_on_the_dbs_other_tasks_unless_told_not_to(tmp_path, monkeypatch):
