@@ -225,6 +225,7 @@ def main() -> None:
     db = os.path.join(os.path.dirname(OUT), f"kernels_db_{int(time.time())}.sqlite")
     result: dict = {"machine": {**machine_peaks(), "cores": os.cpu_count()}, "workloads": {},
                     "command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    h2h_schedules: dict[str, dict] = {}
     for w in args.workloads.split(","):
         desc, task = WORKLOADS[w]
         entry = {"desc": desc, "workload_key": task.workload_key, "gflop": task.flops / 1e9,
@@ -244,9 +245,25 @@ def main() -> None:
                 scheds[p] = entry[p].get("best_schedule")
                 scheds[f"{p}@64"] = entry[p].get("best_schedule@64")
         entry["head_to_head"] = head_to_head(task, scheds)
+        h2h_schedules[w] = scheds
         print(w, "head to head", json.dumps(entry["head_to_head"]), flush=True)
         _save(result)
+    # a second pass at the end: interference on this shared machine comes in spells of minutes
+    # (run 16: all four W5 kernels timed 0.70-0.71 ms in the first pass, 0.605-0.612 fifteen
+    # minutes later), so each kernel keeps the faster of its two passes
+    for w, scheds in h2h_schedules.items():
+        entry = result["workloads"][w]
+        second = head_to_head(WORKLOADS[w][1], scheds)
+        entry["head_to_head_passes"] = [entry["head_to_head"], second]
+        entry["head_to_head"] = fastest_of_passes(entry["head_to_head_passes"])
+        print(w, "head to head, second pass", json.dumps(second), flush=True)
+        _save(result)
     print_table(result)
+
+
+def fastest_of_passes(passes: list[dict[str, float]]) -> dict[str, float]:
+    """Each timed function's fastest result over several head-to-head passes."""
+    return {k: min(p[k] for p in passes if k in p) for k in dict.fromkeys(k for p in passes for k in p)}
 
 
 def _save(result: dict) -> None:
