@@ -83,9 +83,9 @@ class XGBoostCostModel:
     def predict(self, programs: Sequence[Sequence[Statement]]) -> np.ndarray:
         """Scores (higher = predicted faster): the prior alone before the model has data (all
         zeros without a prior)."""
-        margin = prior_margin(programs) * self.prior_weight
+        margin = self.prior_scores(programs)
         if self.booster is None or not programs:
-            return margin.astype(np.float64)
+            return margin
         import xgboost as xgb
 
         return self.booster.predict(xgb.DMatrix(feature_matrix(programs), base_margin=margin))
