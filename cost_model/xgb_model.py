@@ -37,6 +37,10 @@ class XGBoostCostModel:
     def n_samples(self) -> int:
         return len(self._lat)
 
+    def n_samples_of(self, group: str) -> int:
+        """How many of the training records belong to `group` (a task's workload key)."""
+        return self._group.count(group)
+
     @property
     def informed(self) -> bool:
         """Whether scores mean anything yet: trained, or ranking by the prior."""

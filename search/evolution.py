@@ -82,7 +82,11 @@ class EvolutionarySearch:
         self.sketch_best: dict[tuple, float] = {}  # structure -> best latency measured (inf: all failed)
         self.tiling_count: dict[tuple, int] = {}   # tiling -> schedules measured with it
         self._features: dict[str, list[dict[str, float]]] = {}
-        self.own_samples = 0  # successful measurements of this task the model was trained on
+
+    @property
+    def own_samples(self) -> int:
+        """Measurements of this task the cost model is trained on."""
+        return self.model.n_samples_of(self.task.workload_key)
 
     # ---- cost model ----
     def features(self, steps: list[Step]) -> list[dict[str, float]]:
@@ -130,7 +134,7 @@ class EvolutionarySearch:
         the prior's alone: trees fitted only on other tasks' records chose W2's first batch worse
         than the prior, and differently with every source run (docs/search.md, "Transfer")."""
         feats = [self.features(s) for s in pop]
-        if self.own_samples == 0 and hasattr(self.model, "prior_scores"):
+        if self.own_samples == 0:
             return list(self.model.prior_scores(feats))
         return list(self.model.predict(feats))
 
@@ -154,7 +158,6 @@ class EvolutionarySearch:
         self.best.sort(key=lambda x: x[0])
         del self.best[self.elite * 16:]
         if feats:
-            self.own_samples += len(feats)
             self.model.update(feats, lats, [self.task.workload_key] * len(feats))
 
     # ---- evolution ----
