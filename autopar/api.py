@@ -12,8 +12,8 @@ import jax
 import numpy as np
 
 from autopar.cluster import Cluster, parse_memory
-from autopar.graph.op_graph import OpGraph
-from autopar.graph.trace import trace_graph
+from rockmate.graph.op_graph import OpGraph
+from rockmate.graph.trace import trace_graph
 from autopar.intra_op import MemoryBudgetError, ShardingPlan
 from autopar.lower import build_mesh, sharded_function
 from autopar.methods import resolve_method

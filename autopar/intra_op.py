@@ -17,8 +17,8 @@ import numpy as np
 
 from autopar import assignment_ilp as ilp
 from autopar.cluster import LogicalMesh
-from autopar.graph.op_graph import Op, OpGraph, TensorSpec
-from autopar.repeats import representatives, tandem_repeats
+from rockmate.graph.op_graph import Op, OpGraph, TensorSpec
+from rockmate.repeats import representatives, tandem_repeats
 from autopar.resharding import reshard_cost
 from autopar.sharding_spec import Collective, DimSharding, Strategy, all_layouts, replicated, shard_factor
 from autopar.strategies import enumerate_strategies, is_follower

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.graph.evaluate import eval_graph
-from autopar.graph.op_graph import OpGraph
+from rockmate.graph.evaluate import eval_graph
+from rockmate.graph.op_graph import OpGraph
 from autopar.intra_op import ShardingPlan
 from autopar.sharding_spec import AXIS_NAMES, DimSharding, to_partition_spec
 

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import jax
 
 from autopar.cluster import Cluster, LogicalMesh
-from autopar.graph.op_graph import OpGraph
+from rockmate.graph.op_graph import OpGraph
 from autopar.intra_op import MemoryBudgetError, ShardingPlan, plan_sharding
 from autopar.methods import ShardParallel
 from autopar.plan import StagePlan, TensorPlan

@@ -14,7 +14,7 @@ import heapq
 import itertools
 from typing import Any
 
-from autopar.graph.op_graph import TensorSpec
+from rockmate.graph.op_graph import TensorSpec
 from autopar.sharding_spec import Collective, DimSharding, is_valid
 from autopar.strategies.layouts import collective_s, itemsize, mesh_shape_of
 

@@ -18,7 +18,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from autopar.graph import trace_graph  # noqa: E402
-from autopar.graph.trace import graph_from_jaxpr  # noqa: E402
+from rockmate.graph.trace import graph_from_jaxpr  # noqa: E402
 
 TARGET_S = 10.0  # for 10,000 equations, make_jaxpr included
 

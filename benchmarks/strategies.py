@@ -22,7 +22,7 @@ from rich.table import Table
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from autopar.cluster import LogicalMesh  # noqa: E402
 from autopar.device_presets import PRESETS  # noqa: E402
-from autopar.graph.trace import trace_graph  # noqa: E402
+from rockmate.graph.trace import trace_graph  # noqa: E402
 from autopar.model_zoo import GPTConfig, gpt_abstract_setup  # noqa: E402
 from autopar.resharding import reshard_cost  # noqa: E402
 from autopar.strategies import clear_cache, enumerate_strategies  # noqa: E402

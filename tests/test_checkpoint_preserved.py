@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import autopar
-from autopar.graph.trace import trace_graph
+from rockmate.graph.trace import trace_graph
 
 
 def _layer(x, w):

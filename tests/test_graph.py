@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from autopar.graph import OpGraph, call_graph, eval_graph, trace_graph
-from autopar.graph.trace import INLINED
+from rockmate.graph.trace import INLINED
 
 D, LAYERS, SEQ, VOCAB, BATCH = 32, 2, 8, 64, 4
 
@@ -371,3 +371,29 @@ def test_ten_thousand_equation_chain_traces_and_reproduces():
     assert graph.flops_by_name()["dot_general"] == layers * 2 * 2 * 4 * 4
     x = jnp.linspace(-1, 1, 8).reshape(2, 4)
     assert_close(eval_graph(graph, [x, ws]), jax.tree_util.tree_leaves(chain(x, ws)))
+
+
+def test_kept_custom_rules_stay_one_op_and_their_gradient_rule_still_applies():
+    """A graph that is differentiated after tracing keeps custom_vjp/custom_jvp calls whole:
+    inlining the primal body would give the body's derivative, not the rule's."""
+    @jax.custom_vjp
+    def clipped_identity(x):
+        return x
+
+    clipped_identity.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.5, 0.5),))
+
+    def f(x):
+        return jnp.sum(jax.nn.softmax(jax.nn.relu(clipped_identity(x) * 3.0)) * jnp.arange(8.0))
+
+    x = jnp.linspace(-1.0, 1.0, 8)
+    kept = trace_graph(f, x, keep_custom_rules=True)
+    inlined = trace_graph(f, x)
+    assert {"custom_vjp_call", "custom_jvp_call"} <= {op.name for op in kept.ops}
+    assert not {"custom_vjp_call", "custom_jvp_call"} & {op.name for op in inlined.ops}
+    custom = next(op for op in kept.ops if op.name == "custom_vjp_call")
+    assert custom.body is not None and custom.flops == custom.body.total_flops
+    want = jax.grad(f)(x)
+    got = jax.grad(lambda x: call_graph(kept, x))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # the inlined body differentiates the identity: a different (unclipped) gradient
+    assert not np.allclose(jax.grad(lambda x: call_graph(inlined, x))(x), want)

@@ -8,9 +8,9 @@ import pytest
 
 import autopar
 from autopar import assignment_ilp as ilp
-from autopar.graph.trace import trace_graph
+from rockmate.graph.trace import trace_graph
 from autopar.intra_op import build_problem, plan_sharding
-from autopar.repeats import representatives, tandem_repeats
+from rockmate.repeats import representatives, tandem_repeats
 from autopar.resharding import reshard_cost
 from autopar.sharding_spec import all_layouts
 from autopar.strategies import enumerate_strategies

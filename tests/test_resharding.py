@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from autopar.cluster import LogicalMesh
 from autopar.device_presets import PRESETS
-from autopar.graph.op_graph import TensorSpec
+from rockmate.graph.op_graph import TensorSpec
 from autopar.resharding import reshard_cost
 from autopar.sharding_spec import is_valid, to_partition_spec
 from autopar.strategies.layouts import collective_s

@@ -14,8 +14,8 @@ from jax.sharding import AxisType, NamedSharding
 
 from autopar.cluster import LogicalMesh
 from autopar.device_presets import PRESETS
-from autopar.graph.op_graph import Op, OpGraph, TensorSpec
-from autopar.graph.trace import trace_graph
+from rockmate.graph.op_graph import Op, OpGraph, TensorSpec
+from rockmate.graph.trace import trace_graph
 from autopar.sharding_spec import is_valid, to_partition_spec
 from autopar.strategies import enumerate_strategies, is_follower
 

@@ -1,6 +1,4 @@
-"""Op graph: trace a function into flat primitive ops."""
-from autopar.graph.evaluate import call_graph, eval_graph
-from autopar.graph.op_graph import Op, OpGraph, TensorSpec
-from autopar.graph.trace import graph_from_jaxpr, trace_graph
+"""The op graph autopar plans on; it lives in `rockmate.graph` (the lower package) and is re-exported here."""
+from rockmate.graph import Op, OpGraph, TensorSpec, call_graph, eval_graph, graph_from_jaxpr, trace_graph
 
 __all__ = ["Op", "OpGraph", "TensorSpec", "call_graph", "eval_graph", "graph_from_jaxpr", "trace_graph"]

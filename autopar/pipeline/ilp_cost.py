@@ -48,7 +48,7 @@ class IntraOpStageCost:
         return lambda stage, leaf, aval, mesh: layouts.get((stage, leaf), PartitionSpec())
 
     def _solve(self, key, eqn_range, logical_mesh):
-        from autopar.graph.trace import trace_graph
+        from rockmate.graph.trace import trace_graph
         from autopar.intra_op import MemoryBudgetError, plan_sharding
 
         fn, args = stage_train_function(self.loss_jaxpr, eqn_range, self.diff_mask)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-from autopar.graph.op_graph import Op, OpGraph, TensorSpec
+from rockmate.graph.op_graph import Op, OpGraph, TensorSpec
 from autopar.sharding_spec import Strategy
 from autopar.strategies import conv, dot, elementwise, indexing, reduce, shape_ops
 from autopar.strategies.layouts import replicated_strategy

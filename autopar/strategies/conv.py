@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.graph.op_graph import Op, TensorSpec
+from rockmate.graph.op_graph import Op, TensorSpec
 from autopar.sharding_spec import Strategy
 from autopar.strategies.layouts import replicated_strategy
 from autopar.strategies.roles import Role, role_strategies

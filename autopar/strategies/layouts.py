@@ -10,7 +10,7 @@ import functools
 import itertools
 from typing import Any, Iterable, Sequence
 
-from autopar.graph.op_graph import TensorSpec
+from rockmate.graph.op_graph import TensorSpec
 from autopar.sharding_spec import Collective, DimSharding, Strategy, is_valid, spec_str
 
 MeshShape = tuple[int, int]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.graph.op_graph import Op, TensorSpec
+from rockmate.graph.op_graph import Op, TensorSpec
 from autopar.sharding_spec import Strategy
 from autopar.strategies.layouts import (candidate_specs, follow_strategies, make_strategy,
                                         mesh_shape_of)

@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from autopar.graph.op_graph import TensorSpec
+from rockmate.graph.op_graph import TensorSpec
 from autopar.sharding_spec import Collective, Strategy, is_valid
 from autopar.strategies.layouts import (axes_product, dedupe, live_axes, local_bytes,
                                         make_strategy, mesh_shape_of)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.graph.op_graph import TensorSpec
+from rockmate.graph.op_graph import TensorSpec
 
 ELEMENTWISE = frozenset(
     """

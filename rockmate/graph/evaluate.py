@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from autopar.graph.op_graph import Op, OpGraph
+from rockmate.graph.op_graph import Op, OpGraph
 
 OutputHook = Callable[[Op, int, Any], Any]
 
@@ -29,7 +29,7 @@ def eval_graph(graph: OpGraph, flat_args: Sequence[Any], on_output: OutputHook |
     env: dict[int, Any] = dict(graph.literals)
     env.update(zip(graph.invars, flat_args))
     for op in graph.ops:
-        outs = op.primitive.bind(*(env[i] for i in op.inputs), **op.params)
+        outs = op.primitive.bind(*(env[i] for i in op.inputs), **op.primitive.get_bind_params(op.params))
         if not op.primitive.multiple_results:
             outs = (outs,)
         for vid, value in zip(op.outputs, outs):

@@ -2,7 +2,10 @@
 
 `trace_graph` runs `jax.make_jaxpr` (no FLOPs spent), numbers every jaxpr variable,
 inlines nested jit/pjit, custom_jvp/custom_vjp, checkpoint/remat and closed_call/core_call
-bodies, and keeps each `scan` as one op whose `body` is a graph of its own.
+bodies, and keeps each `scan` as one op whose `body` is a graph of its own. A graph that
+will be differentiated after tracing (a loss cut into pipeline stages, a function rockmate
+reschedules) keeps custom_jvp/custom_vjp calls whole (`keep_custom_rules=True`), so that
+their rules still apply: inlining the primal body would differentiate it instead.
 """
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ from jax.extend import core as jcore
 
 from jax._src.lax.lax import optimization_barrier_p
 
-from autopar.graph.flops import op_bytes, op_flops
-from autopar.graph.op_graph import Op, OpGraph, TensorSpec
+from rockmate.graph.flops import op_bytes, op_flops
+from rockmate.graph.op_graph import Op, OpGraph, TensorSpec
 
 # Primitive name -> param holding the body that is inlined in place of the call.
 INLINED = {
@@ -31,13 +34,15 @@ INLINED = {
     "custom_vjp_call": "call_jaxpr",  # jax 0.10: the primal body; fwd/bwd stay unused
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
+CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
-def trace_graph(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> OpGraph:
+def trace_graph(fun: Callable[..., Any], *args: Any, keep_custom_rules: bool = False, **kwargs: Any) -> OpGraph:
     """Trace `fun(*args, **kwargs)` abstractly into a flat OpGraph.
 
     Leaves of `args`/`kwargs` may be arrays or `jax.ShapeDtypeStruct`s. `in_tree` is the
-    treedef of `(args, kwargs)` and `out_tree` that of the output.
+    treedef of `(args, kwargs)` and `out_tree` that of the output. `keep_custom_rules`:
+    custom_jvp/custom_vjp calls stay one op (see the module docstring).
     """
     flat_args, in_tree = jax.tree_util.tree_flatten((args, kwargs))
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
@@ -55,15 +60,15 @@ def trace_graph(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> OpGraph:
         return out_leaves
 
     closed = jax.make_jaxpr(flat_fun)(*flat_args)
-    graph = graph_from_jaxpr(closed)
+    graph = graph_from_jaxpr(closed, keep_custom_rules=keep_custom_rules)
     graph.in_tree = in_tree
     graph.out_tree = out_tree_box[0]
     return graph
 
 
-def graph_from_jaxpr(closed_jaxpr: Any) -> OpGraph:
+def graph_from_jaxpr(closed_jaxpr: Any, keep_custom_rules: bool = False) -> OpGraph:
     """Turn a ClosedJaxpr (or open Jaxpr) into an OpGraph with its own var numbering."""
-    builder = _Builder()
+    builder = _Builder(keep_custom_rules)
     jaxpr, consts = _open(closed_jaxpr)
     invars = [builder.new_var(v) for v in jaxpr.invars]
     outvars = builder.emit(jaxpr, consts, invars)
@@ -106,7 +111,8 @@ def _source(eqn: Any) -> str:
 class _Builder:
     """Accumulates vars, literals and ops while walking (possibly nested) jaxprs."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_custom_rules: bool = False) -> None:
+        self.keep_custom_rules = keep_custom_rules
         self.vars: dict[int, TensorSpec] = {}
         self.literals: dict[int, Any] = {}
         self.ops: list[Op] = []
@@ -143,7 +149,8 @@ class _Builder:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             inputs = [self.read(v) for v in eqn.invars]
-            if name in INLINED and INLINED[name] in eqn.params:
+            if name in INLINED and INLINED[name] in eqn.params and not (
+                    self.keep_custom_rules and name in CUSTOM_RULES):
                 inner, inner_consts = _open(eqn.params[INLINED[name]])
                 if name in ("remat2", "checkpoint") and eqn.params.get("prevent_cse", False):
                     inputs = self._barrier(inputs)
@@ -180,8 +187,12 @@ class _Builder:
         out_specs = [self.vars[o] for o in outputs]
         body, trip_count = None, 1
         if name == "scan":
-            body, trip_count = graph_from_jaxpr(eqn.params["jaxpr"]), int(eqn.params["length"])
+            body = graph_from_jaxpr(eqn.params["jaxpr"], self.keep_custom_rules)
+            trip_count = int(eqn.params["length"])
             flops, nbytes = body.total_flops * trip_count, _total_bytes(body) * trip_count
+        elif name in CUSTOM_RULES:  # kept whole: costs are its primal body's
+            body = graph_from_jaxpr(eqn.params[INLINED[name]], self.keep_custom_rules)
+            flops, nbytes = body.total_flops, _total_bytes(body)
         elif subs := _sub_jaxprs(eqn.params):
             # while/cond/other control flow: one op; cost = the costliest sub-body, run once
             graphs = [graph_from_jaxpr(s) for s in subs]
