@@ -1,14 +1,15 @@
 """autopar: automatic parallelization of JAX train steps."""
 from autopar.api import Parallelized, make_plan, parallelize
+from autopar.boundary import mark_stage_boundary
 from autopar.cluster import Cluster, LogicalMesh
 from autopar.intra_op import MemoryBudgetError
 from autopar.methods import DataParallel, Megatron, MeshDivisibilityError, ShardParallel, ZeRO3
-from autopar.boundary import mark_stage_boundary
 from autopar.pipeline import PipeshardParallel, grad, value_and_grad
 from autopar.plan import Plan, PlanFileError
 from search.database import TuningDB, TuningDBError
 
 __all__ = [
     "Cluster", "DataParallel", "LogicalMesh", "Megatron", "MemoryBudgetError", "MeshDivisibilityError",
-    "Parallelized", "PipeshardParallel", "Plan", "grad", "mark_stage_boundary", "value_and_grad", "make_plan", "PlanFileError", "ShardParallel", "TuningDB", "TuningDBError", "ZeRO3", "parallelize",
+    "Parallelized", "PipeshardParallel", "Plan", "PlanFileError", "ShardParallel", "TuningDB", "TuningDBError",
+    "ZeRO3", "grad", "make_plan", "mark_stage_boundary", "parallelize", "value_and_grad",
 ]

@@ -5,6 +5,7 @@ The planner's roofline and alpha-beta costs read these numbers; calibration
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -17,15 +18,20 @@ MiB = 2**20
 def dtype_name(dtype: Any) -> str:
     """Canonical dtype name ("float32", "bfloat16", ...) for a string, numpy or jax dtype."""
     if isinstance(dtype, str):
-        name = dtype.strip().lower()
-        try:
-            return np.dtype(name).name
-        except TypeError:
-            return name
+        return _str_dtype_name(dtype)
     try:
         return np.dtype(dtype).name
     except TypeError:
         return str(dtype).lower()
+
+
+@functools.lru_cache(maxsize=None)
+def _str_dtype_name(dtype: str) -> str:
+    name = dtype.strip().lower()
+    try:
+        return np.dtype(name).name
+    except TypeError:
+        return name
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from autopar import assignment_ilp as ilp
 from autopar.cluster import LogicalMesh
 from rockmate.graph.op_graph import Op, OpGraph, TensorSpec
+from rockmate.graph.fusion import materialized
 from rockmate.repeats import representatives, tandem_repeats
 from autopar.resharding import reshard_cost
 from autopar.sharding_spec import Collective, DimSharding, Strategy, all_layouts, replicated, shard_factor
@@ -25,18 +26,23 @@ from autopar.strategies import enumerate_strategies, is_follower
 from autopar.strategies.elementwise import ELEMENTWISE_PRIMITIVES
 
 NUM_MEMORY_CHECKPOINTS = 6
+# Ops that return their operands unchanged (barriers and autopar's own markers): each result
+# takes its operand's layout, at no cost.
+IDENTITY_PRIMITIVES = frozenset({"optimization_barrier", "autopar_phase_boundary", "autopar_stage_boundary"})
 
 
 class MemoryBudgetError(ValueError):
     """No sharding fits the per-device memory budget."""
 
-    def __init__(self, budget_bytes: float, min_bytes: float, mesh_shape: tuple[int, int]):
+    def __init__(self, budget_bytes: float, min_bytes: float, mesh_shape: tuple[int, int], remat_on: bool = False,
+                 what: str | None = None):
         self.budget_bytes, self.min_bytes = budget_bytes, min_bytes
+        where = what or f"no sharding on mesh {mesh_shape[0]}x{mesh_shape[1]}"
+        advice = ("Raise memory_budget or use more devices (rematerialization is already on)" if remat_on else
+                  "Raise memory_budget, use more devices, or turn rematerialization on (remat='auto')")
         super().__init__(
-            f"no sharding on mesh {mesh_shape[0]}x{mesh_shape[1]} fits the memory budget of "
-            f"{budget_bytes / 2**20:.1f} MiB per device; the smallest budget that fits is about "
-            f"{min_bytes / 2**20:.1f} MiB ({int(math.ceil(min_bytes))} bytes). Raise memory_budget, "
-            f"use more devices, or enable rematerialization.")
+            f"{where} fits the memory budget of {budget_bytes / 2**20:.1f} MiB per device; the smallest budget "
+            f"that fits is about {min_bytes / 2**20:.1f} MiB ({int(math.ceil(min_bytes))} bytes). {advice}.")
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class ShardingPlan:
     solve_time_s: float
     num_nodes: int
     num_variables: int
+    op_time_s: dict[int, float] = field(default_factory=dict)   # first op of each ILP node -> its time
 
     @property
     def comm_bytes(self) -> float:
@@ -170,7 +177,7 @@ def _build_groups(graph: OpGraph, mesh: LogicalMesh, fixed: dict[int, DimShardin
     for op in graph.ops:
         if op.index not in live:
             continue
-        if op.name == "optimization_barrier":  # identity per operand: each result takes its operand's layout
+        if op.name in IDENTITY_PRIMITIVES:  # identity per operand: each result takes its operand's layout
             for v, w in zip(op.inputs, op.outputs):
                 gid = group_of[v]
                 for ch in groups[gid].choices:
@@ -237,8 +244,11 @@ def _keys(layouts: list[DimSharding]) -> tuple[np.ndarray, list[DimSharding]]:
 
 
 def _edges(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], reshard: _ReshardCache,
-           tie_outputs: dict[int, int]) -> list[tuple[ilp.Edge, int, list[DimSharding], list[DimSharding]]]:
-    """Edges with the var they carry and the distinct layouts at each end."""
+           tie_outputs: dict[int, int], tie_vars: Sequence[tuple[int, int]] = ()
+           ) -> list[tuple[ilp.Edge, int, list[DimSharding], list[DimSharding]]]:
+    """Edges with the var they carry and the distinct layouts at each end. A tie (v, w)
+    charges the reshard of v from its layout into w's (an output returned in an input's
+    layout, or a value another program hands back in a layout of its own)."""
     out = []
     matrices: dict = {}
 
@@ -254,9 +264,9 @@ def _edges(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], resha
             sk, sl = _keys([ch.out[v] for ch in groups[src].choices])
             dk, dl = _keys([ch.req[r] for ch in g.choices])
             out.append((ilp.Edge(src, gid, sk, dk, matrix(sl, dl, graph.vars[v])), v, sl, dl))
-    for opos, ipos in tie_outputs.items():
-        v, w = graph.outvars[opos], graph.invars[ipos]
-        if v in graph.literals or v == w:
+    pairs = [(graph.outvars[o], graph.invars[i]) for o, i in tie_outputs.items()] + list(tie_vars)
+    for v, w in pairs:
+        if v in graph.literals or w in graph.literals or v == w or v not in group_of or w not in group_of:
             continue
         src, dst = group_of[v], group_of[w]
         sk, sl = _keys([ch.out[v] for ch in groups[src].choices])
@@ -267,8 +277,12 @@ def _edges(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], resha
 
 
 def _memory_rows(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], mesh: LogicalMesh) -> tuple[list[ilp.MemoryRow], list[ilp.MemoryRow]]:
-    """Rows for the liveness peaks (under replicated sizes) and the argument-only row."""
+    """Rows for the liveness peaks (under replicated sizes) and the argument-only row:
+    arguments plus the values live at the peak, outputs from where they are computed (XLA
+    places earlier intermediates in output buffers). Only values XLA materialises count
+    (fused elementwise intermediates take no buffer)."""
     n = len(graph.ops)
+    kept = materialized(graph)
     last_use = {v: -1 for v in group_of}
     for op in graph.ops:
         for v in op.inputs:
@@ -284,7 +298,7 @@ def _memory_rows(graph: OpGraph, groups: list[_Group], group_of: dict[int, int],
     inv = set(graph.invars)
     delta = np.zeros(n + 2)
     for v, b in born.items():
-        if v in inv or v not in group_of:
+        if v in inv or v not in group_of or v not in kept:
             continue
         delta[b] += graph.vars[v].nbytes
         delta[max(last_use[v], b) + 1] -= graph.vars[v].nbytes
@@ -307,7 +321,8 @@ def _memory_rows(graph: OpGraph, groups: list[_Group], group_of: dict[int, int],
         return ilp.MemoryRow(coeff)
 
     args = [v for v in dict.fromkeys(graph.invars) if v in group_of]
-    peak_rows = [row(args + [v for v, b in born.items() if v not in inv and v in group_of and b <= t <= last_use[v]]) for t in points]
+    peak_rows = [row(args + [v for v, b in born.items() if v not in inv and v in group_of and v in kept
+                             and b <= t <= last_use[v]]) for t in points]
     return peak_rows or [row(args)], [row(args)]
 
 
@@ -327,10 +342,11 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
                   fixed_specs: dict[int, DimSharding] | None = None,
                   allowed_specs: dict[int, list[DimSharding]] | None = None,
                   tie_outputs: dict[int, int] | None = None, time_limit_s: float = 30.0,
-                  solver: str = "highs", tie_layers: bool = True, memory_scope: str = "peak") -> BuiltProblem:
+                  solver: str = "highs", tie_layers: bool = True, memory_scope: str = "peak",
+                  tie_vars: Sequence[tuple[int, int]] = ()) -> BuiltProblem:
     reshard = _ReshardCache(mesh)
     groups, group_of = _build_groups(graph, mesh, fixed_specs or {}, allowed_specs or {}, reshard, time_limit_s, solver)
-    edges = _edges(graph, groups, group_of, reshard, tie_outputs or {})
+    edges = _edges(graph, groups, group_of, reshard, tie_outputs or {}, tie_vars)
     peak_rows, arg_rows = _memory_rows(graph, groups, group_of, mesh)
     tie = _layer_ties(graph, groups, group_of) if tie_layers else None
     rows = peak_rows if memory_scope == "peak" else arg_rows   # "arguments": activations budgeted elsewhere (remat)
@@ -339,7 +355,8 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
     return BuiltProblem(problem, groups, group_of, edges, reshard, arg_rows)
 
 
-def _signature(op: Op, graph: OpGraph) -> tuple:
+def op_signature(op: Op, graph: OpGraph) -> tuple:
+    """What two ops must share to be copies of each other in repeated layers."""
     def simple(v):
         return v if isinstance(v, (int, float, str, bool, type(None), tuple)) else type(v).__name__
     ins = tuple(("lit", repr(graph.literals[v])[:32]) if v in graph.literals else (graph.vars[v].shape, graph.vars[v].dtype)
@@ -355,7 +372,7 @@ def _repeats_of(graph: OpGraph) -> tuple[list, list[int]]:
     """Op signatures and layer representatives, computed once per graph (meshes share them)."""
     hit = _REPEATS.get(id(graph))
     if hit is None or hit[0] is not graph:
-        sigs = [_signature(op, graph) for op in graph.ops]
+        sigs = [op_signature(op, graph) for op in graph.ops]
         hit = (graph, sigs, representatives(len(graph.ops), tandem_repeats(sigs)))
         _REPEATS.clear()
         _REPEATS[id(graph)] = hit
@@ -410,18 +427,19 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
                   allowed_specs: dict[int, list[DimSharding]] | None = None,
                   tie_outputs: dict[int, int] | None = None,
                   time_limit_s: float = 30.0, solver: str = "highs", tie_layers: bool = True,
-                  memory_scope: str = "peak") -> ShardingPlan:
+                  memory_scope: str = "peak", tie_vars: Sequence[tuple[int, int]] = ()) -> ShardingPlan:
     """Solve the intra-op ILP for `graph` on `mesh`.
 
     fixed_specs / allowed_specs constrain the layouts of graph inputs (by var id);
     tie_outputs maps an output position to an input position whose layout it must be
-    returned in (e.g. the new train state in the old state's layout), paying the reshard.
+    returned in (e.g. the new train state in the old state's layout), paying the reshard;
+    tie_vars (v, w) charge resharding var v into var w's layout (see `_edges`).
     """
     t0 = time.perf_counter()
     tie_outputs = tie_outputs or {}
     built = build_problem(graph, mesh, memory_budget_bytes=memory_budget_bytes, fixed_specs=fixed_specs,
                           allowed_specs=allowed_specs, tie_outputs=tie_outputs, time_limit_s=time_limit_s, solver=solver,
-                          tie_layers=tie_layers, memory_scope=memory_scope)
+                          tie_layers=tie_layers, memory_scope=memory_scope, tie_vars=tie_vars)
     problem, groups, edges, reshard = built.problem, built.groups, built.edges, built.reshard
     try:
         sol = ilp.solve(problem, time_limit_s=time_limit_s, solver=solver)
@@ -463,6 +481,7 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
     compute_s = sum(c.cost_s - c.comm_s - c.reshard_s for c in chosen)
     reshard_s += sum(c.reshard_s for c in chosen)
     comm_s = sum(c.comm_s for c in chosen)
+    op_time = {g.ops[0]: ch.cost_s for g, ch in zip(groups, chosen) if g.ops}
     return ShardingPlan(mesh.shape, var_specs, op_strats, tuple(out_specs), compute_s + comm_s + reshard_s, compute_s, comm_s,
                         reshard_s, max(mem) if mem else 0.0, arg_mem[0] if arg_mem else 0.0, tuple(colls),
-                        sol.status, time.perf_counter() - t0, len(groups), sol.num_variables)
+                        sol.status, time.perf_counter() - t0, len(groups), sol.num_variables, op_time)

@@ -1,13 +1,19 @@
 """Parallelization methods: the automatic planner and the textbook baselines.
 
-A method says which logical mesh shapes to try and how graph inputs may be laid out;
-the intra-op ILP then chooses everything else. Baselines therefore get the same
-(optimal) treatment of intermediates, so comparisons isolate the storage decision.
+A single-program method says which logical mesh shapes to try and how graph inputs may
+be laid out; the intra-op ILP then chooses everything else. Baselines therefore get the
+same (optimal) treatment of intermediates, so comparisons isolate the storage decision.
+Every method implements the `autopar.interface.Method` protocol (plan, restore, build);
+`PipeshardParallel` (autopar.pipeline) is the pipeline one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from autopar import single_stage
+from autopar.interface import PlanRequest
+from autopar.plan import Plan
 from autopar.sharding_spec import DimSharding, all_layouts, is_valid, replicated
 
 
@@ -15,8 +21,23 @@ class MeshDivisibilityError(ValueError):
     pass
 
 
+class SingleProgram:
+    """The Method protocol for methods that plan one SPMD program (see `single_stage`)."""
+
+    searches_mirrors = False   # may skip a mesh that mirrors one already solved
+
+    def plan(self, request: PlanRequest) -> single_stage.SingleStagePlanned:
+        return single_stage.plan(self, request)
+
+    def restore(self, plan: Plan, request: PlanRequest) -> single_stage.SingleStagePlanned:
+        return single_stage.restore(plan, request)
+
+    def build(self, planned: single_stage.SingleStagePlanned, request: PlanRequest) -> Any:
+        return single_stage.build(planned, request)
+
+
 @dataclass(frozen=True)
-class ShardParallel:
+class ShardParallel(SingleProgram):
     """Alpa's intra-op planner over every 2-D logical mesh (or the one given)."""
 
     mesh_shape: tuple[int, int] | None = None
@@ -24,6 +45,10 @@ class ShardParallel:
     time_limit_s: float = 30.0
 
     name = "auto"
+
+    @property
+    def searches_mirrors(self) -> bool:
+        return self.mesh_shape is None
 
     def mesh_shapes(self, n: int) -> list[tuple[int, int]]:
         if self.mesh_shape is not None:
@@ -52,7 +77,7 @@ def _batch_spec(shape, axes: tuple[int, ...], mesh_shape, name: str) -> DimShard
 
 
 @dataclass(frozen=True)
-class DataParallel:
+class DataParallel(SingleProgram):
     """Replicated parameters and optimizer state; the batch split over every device."""
 
     name = "data_parallel"
@@ -86,7 +111,7 @@ class ZeRO3(DataParallel):
 
 
 @dataclass(frozen=True)
-class Megatron:
+class Megatron(SingleProgram):
     """Tensor parallel over `tp` devices (mesh axis 1), data parallel over the rest (axis 0).
 
     Parameters may be split over the tensor-parallel axis only (the ILP picks column- or
@@ -113,13 +138,25 @@ class Megatron:
         return None, allowed
 
 
-Method = ShardParallel | DataParallel | ZeRO3 | Megatron
-
-
-def resolve_method(method) -> object:
+def resolve_method(method) -> Any:
+    """A method object from the user's `method=` ("auto" is ShardParallel())."""
     if method == "auto" or method is None:
         return ShardParallel()
     if isinstance(method, str):
         raise ValueError(f"unknown method {method!r}; use 'auto' or an object such as autopar.DataParallel(), "
                          "autopar.ZeRO3(), autopar.Megatron(tp=2), autopar.ShardParallel(), autopar.PipeshardParallel(...)")
+    missing = [m for m in ("plan", "restore", "build") if not callable(getattr(method, m, None))]
+    if missing:
+        raise TypeError(f"method={method!r} is not a parallelization method (it has no {', '.join(missing)}); "
+                        "use 'auto' or one of autopar.ShardParallel, DataParallel, ZeRO3, Megatron, PipeshardParallel")
     return method
+
+
+def method_for_plan(plan: Plan, method: Any) -> Any:
+    """The method that builds a saved plan: the given one, or for method="auto" the kind
+    the plan was made with (a pipeline plan needs the pipeline method)."""
+    if plan.pipeline is None or not isinstance(method, ShardParallel):
+        return method
+    from autopar.pipeline.method import PipeshardParallel
+
+    return PipeshardParallel(num_micro_batches=plan.num_micro_batches, schedule=plan.schedule or "1f1b")

@@ -31,16 +31,18 @@ def render_plan(plan, max_rows: int = 40, width: int = 160) -> str:
     con.print(head)
     if plan.memory_budget_bytes:
         con.print(f"memory budget per device: {_fmt_bytes(plan.memory_budget_bytes)}")
-    st = Table(title="stages")
-    for c in ("stage", "mesh", "devices", "layers", "time", "compute", "comm", "reshard", "comm bytes", "memory/dev", "args/dev", "solver"):
-        st.add_column(c)
-    for i, s in enumerate(plan.stages):
-        st.add_row(str(i), f"{s.mesh_shape[0]}x{s.mesh_shape[1]}", ",".join(map(str, s.device_ids)),
-                   "-" if s.layer_range is None else f"{s.layer_range[0]}..{s.layer_range[1]}",
-                   _fmt_s(s.predicted_time_s), _fmt_s(s.compute_s), _fmt_s(s.comm_s), _fmt_s(s.reshard_s),
-                   _fmt_bytes(s.comm_bytes), _fmt_bytes(s.memory_bytes), _fmt_bytes(s.argument_bytes),
-                   f"{s.solver_status} ({s.solve_time_s:.2f} s)")
-    con.print(st)
+    if plan.pipeline is not None:
+        _pipeline_tables(con, plan)
+    else:
+        st = Table(title="stage")
+        for c in ("mesh", "devices", "time", "compute", "comm", "reshard", "comm bytes", "memory/dev", "args/dev", "solver"):
+            st.add_column(c)
+        for s in plan.stages:
+            st.add_row(f"{s.mesh_shape[0]}x{s.mesh_shape[1]}", ",".join(map(str, s.device_ids)),
+                       _fmt_s(s.predicted_time_s), _fmt_s(s.compute_s), _fmt_s(s.comm_s), _fmt_s(s.reshard_s),
+                       _fmt_bytes(s.comm_bytes), _fmt_bytes(s.memory_bytes), _fmt_bytes(s.argument_bytes),
+                       f"{s.solver_status} ({s.solve_time_s:.2f} s)")
+        con.print(st)
     for i, s in enumerate(plan.stages):
         t = Table(title=f"stage {i} shardings (mesh axes {s.axis_names[0]}={s.mesh_shape[0]}, {s.axis_names[1]}={s.mesh_shape[1]})")
         for c in ("kind", "name", "shape", "dtype", "spec"):
@@ -53,10 +55,47 @@ def render_plan(plan, max_rows: int = 40, width: int = 160) -> str:
             con.print(f"... {len(rows) - max_rows} more rows (autopar inspect --all shows them)")
         if s.collectives:
             con.print("predicted collectives: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(s.collectives.items())))
-        if s.remat:
-            con.print(f"remat: {s.remat}")
-    if plan.remat:
-        con.print(f"remat: {plan.remat}")
-    if plan.pipeline:
-        con.print(f"pipeline: schedule={plan.schedule} " + ", ".join(f"{k}={v}" for k, v in plan.pipeline.items() if not isinstance(v, (list, dict))))
+    if plan.remat is not None:
+        r = plan.remat
+        line = f"remat: mode={r.mode} applied={r.applied}"
+        if r.applied == "rockmate":
+            line += (f", activation budget {_fmt_bytes(r.activation_budget_bytes)}, predicted temp "
+                     f"{_fmt_bytes(r.predicted_temp_bytes)}, {r.blocks} blocks")
+        if r.measured_temp_bytes is not None:
+            line += (f"; compiled: arguments {_fmt_bytes(r.measured_argument_bytes)} + temp "
+                     f"{_fmt_bytes(r.measured_temp_bytes)} ({'fits' if r.measured_fits_budget else 'over'} the budget, "
+                     f"{r.replans} re-plans)")
+        con.print(line)
     return buf.getvalue()
+
+
+def _pipeline_tables(con: Console, plan) -> None:
+    p = plan.pipeline
+    con.print(f"pipeline: schedule={p.schedule}  micro-batches={p.num_micro_batches} of {p.micro_batch_size}  "
+              f"layers={p.num_layers}")
+    if p.search is not None:
+        s = p.search
+        con.print(f"search: B candidates {list(s.micro_batch_candidates)}, priced {list(s.micro_batch_evaluated)}; "
+                  f"L tried {list(s.layer_counts)}; {s.ilp_solves} layer ILPs, {s.dp_runs} stage DPs, "
+                  f"{s.meshes_priced} logical meshes priced")
+    t = Table(title="stages (per micro-batch unless noted)")
+    for c in ("stage", "layers", "submesh", "mesh", "devices", "fwd", "bwd", "update/step", "compute", "comm",
+              "reshard", "send", "remat", "in flight", "weights", "acts/mb", "working", "memory/dev"):
+        t.add_column(c)
+    for i, s in enumerate(plan.stages):
+        remat = s.remat.mode if s.remat is not None else "none"
+        if s.remat is not None and s.remat.mode != "none":
+            remat += f" (+{_fmt_s(s.remat.recompute_s)})"
+        t.add_row(str(i), f"{s.layer_range[0]}..{s.layer_range[1] - 1}", "x".join(map(str, s.submesh or ())),
+                  f"{s.mesh_shape[0]}x{s.mesh_shape[1]}", _ids(s.device_ids), _fmt_s(s.forward_s),
+                  _fmt_s(s.backward_s), _fmt_s(s.iteration_s), _fmt_s(s.compute_s), _fmt_s(s.comm_s),
+                  _fmt_s(s.reshard_s), _fmt_s(s.send_s), remat, str(s.in_flight), _fmt_bytes(s.weight_bytes),
+                  _fmt_bytes(s.activation_bytes), _fmt_bytes(s.working_bytes), _fmt_bytes(s.memory_bytes))
+    con.print(t)
+
+
+def _ids(ids) -> str:
+    ids = list(ids)
+    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))

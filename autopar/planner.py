@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import jax
@@ -10,7 +10,6 @@ import jax
 from autopar.cluster import Cluster, LogicalMesh
 from rockmate.graph.op_graph import OpGraph
 from autopar.intra_op import MemoryBudgetError, ShardingPlan, plan_sharding
-from autopar.methods import ShardParallel
 from autopar.plan import StagePlan, TensorPlan
 from autopar.sharding_spec import AXIS_NAMES, DimSharding
 
@@ -73,7 +72,7 @@ def plan_single_stage(graph: OpGraph, cluster: Cluster, method: Any, infos: list
         # (b, a) with mirrored link costs is the same problem as (a, b) with the axes swapped
         key = (tuple(shape), mesh.alpha_s, mesh.beta_s_per_byte)
         mirror = ((shape[1], shape[0]), mesh.alpha_s[::-1], mesh.beta_s_per_byte[::-1])
-        if mirror in solved and isinstance(method, ShardParallel) and method.mesh_shape is None:
+        if mirror in solved and method.searches_mirrors:
             continue
         solved.add(key)
         fixed: dict[int, DimSharding] = {}
@@ -119,7 +118,8 @@ def stage_plan(graph: OpGraph, sp: ShardingPlan, infos: list[InputInfo], device_
         if op.name in RECORDED_PRIMITIVES:
             for k, v in enumerate(op.outputs):
                 if v in sp.var_specs and graph.vars[v].ndim:
-                    mids.append(tp(f"op#{op.index}:{k} {op.name} {sp.op_strategies.get(op.index, '')} {op.source}".strip(), v, sp.var_specs[v]))
+                    name = f"{op.name} {sp.op_strategies.get(op.index, '')} {op.source}".strip()
+                    mids.append(replace(tp(name, v, sp.var_specs[v]), op=op.index, output=k))
     by_kind: dict[str, float] = {}
     for c in sp.collectives:
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.nbytes

@@ -16,7 +16,7 @@ from typing import Any
 
 from rockmate.graph.op_graph import TensorSpec
 from autopar.sharding_spec import Collective, DimSharding, is_valid
-from autopar.strategies.layouts import collective_s, itemsize, mesh_shape_of
+from autopar.strategies.layouts import collective_s, mesh_shape_of
 
 
 def reshard_cost(src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: Any
@@ -32,12 +32,17 @@ def reshard_cost(src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: A
 
 
 _results: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
-_meshes: dict[int, Any] = {}
+_meshes: dict[Any, Any] = {}
 
 
-def _mesh_key(mesh: Any) -> int:
-    """Meshes are keyed by identity (kept alive here, so an id is never reused)."""
-    key = id(mesh)
+def _mesh_key(mesh: Any) -> Any:
+    """Meshes are keyed by value when hashable (a LogicalMesh: equal meshes share results),
+    else by identity (kept alive here, so an id is never reused)."""
+    try:
+        hash(mesh)
+        key = mesh
+    except TypeError:
+        key = id(mesh)
     if key not in _meshes:
         _meshes[key] = mesh
     return key
@@ -55,10 +60,10 @@ def _reshard_cost(src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: 
             raise ValueError(f"autopar: {name} layout {s} is not valid for shape {tensor.shape} on mesh {ms}")
     if all(d[:len(s)] == s for s, d in zip(src, dst)):
         return 0.0, ()
-    fast = _gather_only(src, dst, tensor.shape, itemsize(tensor.dtype), mesh, ms)
+    fast = _gather_only(src, dst, tensor.shape, tensor.itemsize, mesh, ms)
     if fast is not None:
         return fast
-    return _search(src, dst, tensor.shape, itemsize(tensor.dtype), _mesh_key(mesh), ms)
+    return _search(src, dst, tensor.shape, tensor.itemsize, _mesh_key(mesh), ms)
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:

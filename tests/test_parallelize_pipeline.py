@@ -5,7 +5,8 @@ import optax
 
 import autopar
 from autopar.cli import main
-from test_pipeline_runtime import _assert_close, init_state, make_batch, make_step
+from pipeline_gpt import init_state, make_batch, make_step
+from test_pipeline_runtime import _assert_close
 
 
 def test_decorator_pipeline_matches_single_device_and_records_the_plan(tmp_path, capsys):
@@ -19,7 +20,7 @@ def test_decorator_pipeline_matches_single_device_and_records_the_plan(tmp_path,
     _assert_close(loss, ref_loss)
     _assert_close(new_state[0], ref_state[0], rtol=1e-4, atol=2e-2)   # adam: +-lr on near-zero grads
     plan = pstep.plan
-    assert len(plan.stages) == 2 and plan.pipeline["num_micro_batches"] == 2
+    assert len(plan.stages) == 2 and plan.pipeline.num_micro_batches == 2
     ids = [set(s.device_ids) for s in plan.stages]
     assert not ids[0] & ids[1]
     compiled = pstep.lower(state, batch).compile()

@@ -26,15 +26,15 @@ def test_remat_auto_kicks_in_under_a_tight_budget_and_keeps_numerics():
     tight = autopar.parallelize(step, method=method, memory_budget=budget, remat="auto")
     with pytest.warns(UserWarning) as record:
         plan = tight.get_plan(state, batch)
-    assert plan.remat["applied"] == "rockmate"
+    assert plan.remat.applied == "rockmate"
     # the compiled SPMD program was measured; on this tiny model (nothing worth splitting
     # over the 8-way model axis) it cannot fit, and the plan and a warning say so
     ma = tight.lower(state, batch).compile().memory_analysis()[0]
-    assert plan.remat["measured_temp_bytes"] == ma.temp_size_in_bytes
-    assert plan.remat["measured_fits_budget"] == (ma.argument_size_in_bytes + ma.temp_size_in_bytes <= budget)
-    if not plan.remat["measured_fits_budget"]:
+    assert plan.remat.measured_temp_bytes == ma.temp_size_in_bytes
+    assert plan.remat.measured_fits_budget == (ma.argument_size_in_bytes + ma.temp_size_in_bytes <= budget)
+    if not plan.remat.measured_fits_budget:
         assert any("memory_analysis" in str(w.message) and "budget" in str(w.message) for w in record)
-    assert plan.remat["predicted_temp_bytes"] < plan.remat["min_budget_bytes"] * 10
+    assert plan.remat.predicted_temp_bytes < plan.remat.min_budget_bytes * 10
     (p1, _), loss = tight(state, batch)
     (p2, _), ref = jax.jit(step)(state, batch)
     assert_tree_close(loss, ref)
@@ -48,7 +48,7 @@ def test_remat_auto_kicks_in_under_a_tight_budget_and_keeps_numerics():
 def test_remat_none_and_roomy_budget_leave_the_step_alone():
     step, state, batch = _setup()
     roomy = autopar.parallelize(step, method=autopar.ShardParallel(mesh_shape=(1, 8)), memory_budget="1GB")
-    assert roomy.get_plan(state, batch).remat["applied"].startswith("none")
+    assert roomy.get_plan(state, batch).remat.applied.startswith("none")
     with pytest.raises(ValueError, match="remat"):
         autopar.parallelize(step, remat="sometimes")
 
@@ -68,15 +68,15 @@ def test_remat_auto_checks_the_compiled_program_and_replans_until_it_fits():
     tight = autopar.parallelize(step, method=method, memory_budget=budget, remat="auto")
     plan = tight.get_plan(state, batch)
     r = plan.remat
-    assert r["applied"] == "rockmate" and r["measured_fits_budget"], r
+    assert r.applied == "rockmate" and r.measured_fits_budget, r
     ma = tight.lower(state, batch).compile().memory_analysis()[0]
     assert ma.argument_size_in_bytes + ma.temp_size_in_bytes <= budget
-    assert ma.temp_size_in_bytes == r["measured_temp_bytes"] < 0.9 * ma_free.temp_size_in_bytes
-    budgets = [a["activation_budget_bytes"] for a in r["attempts"]]
-    assert len(budgets) == r["replans"] + 1 and budgets == sorted(budgets, reverse=True)
-    assert r["replans"] >= 1  # the first schedule (planned from rockmate's prediction) measured over
-    for a in r["attempts"][:-1]:  # every re-plan was caused by a measured overshoot
-        assert a["measured_argument_bytes"] + a["measured_temp_bytes"] > budget
+    assert ma.temp_size_in_bytes == r.measured_temp_bytes < 0.9 * ma_free.temp_size_in_bytes
+    budgets = [a.activation_budget_bytes for a in r.attempts]
+    assert len(budgets) == r.replans + 1 and budgets == sorted(budgets, reverse=True)
+    assert r.replans >= 1  # the first schedule (planned from rockmate's prediction) measured over
+    for a in r.attempts[:-1]:  # every re-plan was caused by a measured overshoot
+        assert a.measured_argument_bytes + a.measured_temp_bytes > budget
     (p1, _), loss = tight(state, batch)
     (p2, _), ref = jax.jit(step)(state, batch)
     assert_tree_close(loss, ref)

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autopar.pipeline.layer_clustering import (OpSequence, cluster_layers, incoming_bytes,
-                                               op_sequence_from_jaxpr)
+from autopar.pipeline.layer_clustering import OpSequence, cluster_layers, incoming_bytes
+from autopar.pipeline.layers import op_sequence
+from rockmate.graph import trace_graph
 
 
 def random_sequence(rng):
@@ -75,13 +76,13 @@ def test_balance_is_relaxed_only_when_infeasible():
     assert got.cuts == (0, 1, 4)
 
 
-def test_jaxpr_sequence_keeps_forward_ops_in_order_and_counts_matmul_flops():
+def test_graph_sequence_keeps_forward_ops_in_order_and_counts_matmul_flops():
     def f(w1, w2, x):
         h = jnp.tanh(x @ w1)
         return jnp.sum(h @ w2)
 
-    jaxpr = jax.make_jaxpr(f)(jnp.ones((8, 16)), jnp.ones((16, 4)), jnp.ones((2, 8))).jaxpr
-    seq = op_sequence_from_jaxpr(jaxpr)
+    graph = trace_graph(f, jnp.ones((8, 16)), jnp.ones((16, 4)), jnp.ones((2, 8)))
+    seq = op_sequence(graph)
     assert seq.flops[0] == 2 * 2 * 8 * 16 and seq.flops[2] == 2 * 2 * 16 * 4
     # ops: dot, tanh, dot, reduce_sum; the cheapest value to cut is the 2 x 4 float32
     # result of the second matmul (32 bytes), cheaper than the 2 x 16 tanh output

@@ -65,21 +65,18 @@ def test_issue_order_is_a_valid_sequential_order():
 
 
 def test_gantt_draws_one_bar_per_task(tmp_path):
-    from autopar.pipeline.api import plan_to_dict
-    from autopar.pipeline.planner import PipelinePlan
-    from autopar.pipeline.stage_cost import StageCost
+    from autopar.plan import PipelinePlan, Plan, StagePlan, TimelineTask
 
-    plan = PipelinePlan(layer_cuts=(0, 5, 9, 12), stage_layers=((0, 1), (1, 3)),
-                        submeshes=((1, 4), (1, 4)), logical_meshes=((4, 1), (2, 2)),
-                        device_ids=((0, 1, 2, 3), (4, 5, 6, 7)),
-                        stage_costs=(StageCost(3.0), StageCost(6.0)), layer_profiles=(),
-                        num_micro_batches=3, schedule="1f1b", predicted_latency_s=6 + 3 + 2 * 6)
-    d = plan_to_dict(plan)
-    assert [s["equations"] for s in d["stages"]] == [[0, 5], [5, 12]]
+    timed = simulate(stage_orders("1f1b", 2, 3), [1.0, 2.0], [2.0, 4.0])
+    stages = tuple(StagePlan((1, 4), ("x", "y"), tuple(range(4 * s, 4 * s + 4)), (), (), layer_range=(s, s + 1),
+                             submesh=(1, 4)) for s in range(2))
+    plan = Plan("pipeshard(1f1b, B=3)", "", {}, stages, num_micro_batches=3, schedule="1f1b",
+                pipeline=PipelinePlan("1f1b", 3, 2, (0, 5, 9), 6 + 3 + 2 * 6, tuple(
+                    TimelineTask(t.task.stage, t.task.kind, t.task.micro_batch, t.start_s, t.end_s) for t in timed)))
     path = tmp_path / "gantt.png"
-    bars = draw(d, str(path))
-    assert len(bars) == len(timeline_bars(d)) == 2 * 2 * 3
-    assert max(b.start_s + b.duration_s for b in bars) == pytest.approx(d["predicted_latency_s"])
+    bars = draw(plan, str(path))
+    assert len(bars) == len(timeline_bars(plan)) == 2 * 2 * 3
+    assert max(b.start_s + b.duration_s for b in bars) == pytest.approx(max(t.end_s for t in timed))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="timeline"):
-        timeline_bars({"stages": []})
+        timeline_bars(Plan("auto", "", {}, ()))

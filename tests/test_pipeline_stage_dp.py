@@ -105,7 +105,8 @@ def test_imbalance_tolerance_prunes_within_its_bound():
 def test_submesh_shapes_and_logical_meshes():
     assert submesh_shapes(2, 8) == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]
     assert submesh_shapes(1, 1) == [(1, 1)]
-    assert logical_mesh_shapes((2, 8)) == [(1, 16), (2, 8), (4, 4), (8, 2), (16, 1)]
+    assert logical_mesh_shapes((2, 8)) == [(2, 8), (4, 4), (8, 2), (16, 1)]   # model axis inside a host
+    assert logical_mesh_shapes((1, 4)) == [(1, 4), (2, 2), (4, 1)]
 
 
 def test_assign_devices_covers_the_cluster_exactly():

@@ -23,14 +23,15 @@ def test_plan_json_round_trip(planned, tmp_path):
     path = tmp_path / "p.json"
     plan.save(path)
     assert autopar.Plan.load(path) == plan
-    assert json.loads(path.read_text())["schema_version"] == 1
+    assert json.loads(path.read_text())["schema_version"] == 2
     text = plan.summary()
     assert "2x4" in text and "args[0]" in text
 
 
 @pytest.mark.parametrize("content,match", [("{not json", "invalid JSON"), ('{"a": 1}', "not an autopar plan"),
-                                           ('{"schema_version": 99, "stages": []}', "schema version 99"),
-                                           ('{"schema_version": 1, "stages": [{"x": 1}]}', "corrupt")])
+                                           ('{"schema_version": 99, "stages": []}', "schema_version 99"),
+                                           ('{"schema_version": "2", "stages": []}', "schema_version '2'.*integer"),
+                                           ('{"schema_version": 2, "stages": [{"x": 1}]}', "corrupt")])
 def test_bad_plan_files_give_clear_errors(tmp_path, content, match):
     path = tmp_path / "bad.json"
     path.write_text(content)
@@ -45,7 +46,7 @@ def test_failed_save_never_overwrites_a_good_plan(planned, tmp_path):
     path = tmp_path / "p.json"
     plan.save(path)
     good = path.read_bytes()
-    broken = autopar.Plan(**{**plan.__dict__, "remat": {"bad": object()}})
+    broken = autopar.Plan(**{**plan.__dict__, "cluster": {"bad": object()}})
     with pytest.raises(TypeError):
         broken.save(path)
     assert path.read_bytes() == good

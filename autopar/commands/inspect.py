@@ -26,6 +26,6 @@ def run(args: argparse.Namespace) -> int:
             return 2
         from autopar.pipeline.gantt import draw
 
-        draw(plan.pipeline, args.gantt)
+        draw(plan, args.gantt)
         print(f"schedule drawn to {args.gantt}")
     return 0

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+
+from autopar.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -16,15 +17,14 @@ class Bar:
     micro_batch: int
 
 
-def timeline_bars(plan: Mapping[str, Any]) -> list[Bar]:
-    """The bars of a `plan_dict()` (its simulated "timeline")."""
-    if "timeline" not in plan:
-        raise ValueError("this plan has no pipeline timeline (not a PipeshardParallel plan?)")
-    return [Bar(t["stage"], t["start_s"], t["end_s"] - t["start_s"], t["kind"], t["micro_batch"])
-            for t in plan["timeline"]]
+def timeline_bars(plan: Plan) -> list[Bar]:
+    """The bars of a pipeline plan's simulated timeline."""
+    if plan.pipeline is None:
+        raise ValueError("this plan has no pipeline timeline (not a PipeshardParallel plan)")
+    return [Bar(t.stage, t.start_s, t.end_s - t.start_s, t.kind, t.micro_batch) for t in plan.pipeline.timeline]
 
 
-def draw(plan: Mapping[str, Any], path: str) -> list[Bar]:
+def draw(plan: Plan, path: str) -> list[Bar]:
     """Draw the schedule stage by stage over time into an image file (PNG, SVG, PDF)."""
     import matplotlib
 
@@ -32,20 +32,21 @@ def draw(plan: Mapping[str, Any], path: str) -> list[Bar]:
     import matplotlib.pyplot as plt
 
     bars = timeline_bars(plan)
-    S = plan["num_stages"]
+    S = len(plan.stages)
+    B = plan.pipeline.num_micro_batches
     fig, ax = plt.subplots(figsize=(10, 0.6 * S + 1.5))
     colors = {"F": "#4c72b0", "B": "#dd8452"}
     for b in bars:
         ax.barh(b.stage, b.duration_s, left=b.start_s, color=colors[b.kind], edgecolor="black", height=0.8)
-        if plan["num_micro_batches"] <= 32:
+        if B <= 32:
             ax.text(b.start_s + b.duration_s / 2, b.stage, f"{b.kind}{b.micro_batch}",
                     ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(S))
-    ax.set_yticklabels([f"stage {s} ({'x'.join(map(str, plan['stages'][s]['submesh']))})" for s in range(S)])
+    ax.set_yticklabels([f"stage {s} ({'x'.join(map(str, st.submesh or st.mesh_shape))}, "
+                        f"layers {st.layer_range[0]}..{st.layer_range[1] - 1})" for s, st in enumerate(plan.stages)])
     ax.invert_yaxis()
     ax.set_xlabel("predicted time (s)")
-    ax.set_title(f"{plan['schedule']} schedule, {plan['num_micro_batches']} micro-batches, "
-                 f"predicted {plan['predicted_latency_s']:.3g} s")
+    ax.set_title(f"{plan.pipeline.schedule} schedule, {B} micro-batches, predicted {plan.predicted_time_s:.3g} s")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     ax.legend(handles, ["forward", "backward"], loc="upper right")
     fig.tight_layout()

@@ -2,8 +2,11 @@
 
 Outside `PipeshardParallel` they are `jax.value_and_grad` / `jax.grad`. While the
 pipeline runtime traces a step (`capture_grads()`), each call becomes one opaque
-`autopar_pipeline_grad` equation whose `call_id` names the recorded loss function, so
-the runtime can cut the loss into stages and run its backward pass per stage.
+`autopar_pipeline_grad` equation whose `call_id` names the recorded loss, so the runtime
+can cut the loss into stages and run its backward pass per stage. The loss is recorded as
+a jaxpr whose leading inputs are the values it closes over (a batch captured by a
+`lambda p: loss(p, batch)` is such a value): they become inputs of the equation, so the
+runtime can split them into micro-batches like explicit arguments.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
+from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import Primitive
 
 pipeline_grad_p = Primitive("autopar_pipeline_grad")
@@ -21,16 +25,21 @@ pipeline_grad_p.multiple_results = True
 
 @dataclass(frozen=True)
 class GradCall:
-    """One recorded `value_and_grad(loss_fn)(*args)` call inside a traced step."""
+    """One recorded `value_and_grad(loss_fn)(*args)` call inside a traced step.
+
+    The equation's inputs are the loss's closed-over values (`num_consts` of them), then
+    the flattened args; `loss_jaxpr` computes the scalar loss from exactly these inputs."""
 
     loss_fn: Callable[..., Any]
     argnums: tuple[int, ...]
     args_tree: Any                  # treedef of the positional args tuple
     num_args_leaves: int
-    diff_leaf_mask: tuple[bool, ...]  # per flattened arg leaf: is it differentiated?
+    diff_leaf_mask: tuple[bool, ...]  # per equation input (consts, then arg leaves): differentiated?
     grads_tree: Any                 # treedef of the gradient output (matches argnums)
     out_avals: tuple[Any, ...]      # (loss, *grad leaves)
     single_argnum: bool
+    loss_jaxpr: Any = None          # open Jaxpr: (consts..., arg leaves...) -> loss
+    num_consts: int = 0
 
 
 _state = threading.local()
@@ -40,15 +49,21 @@ def _calls() -> list[GradCall] | None:
     return getattr(_state, "calls", None)
 
 
+class LossCaptured(Exception):
+    """Raised by a gradient call under `capture_grads(stop=True)` once it is recorded."""
+
+
 @contextlib.contextmanager
-def capture_grads() -> Iterator[list[GradCall]]:
-    """While active, `value_and_grad` calls are recorded instead of differentiated."""
-    previous = _calls()
-    _state.calls = []
+def capture_grads(stop: bool = False) -> Iterator[list[GradCall]]:
+    """While active, `value_and_grad` calls are recorded instead of differentiated. With
+    `stop`, the first call raises `LossCaptured` after recording (tracing the rest of the
+    step is not needed to get its loss)."""
+    previous, previous_stop = _calls(), getattr(_state, "stop", False)
+    _state.calls, _state.stop = [], stop
     try:
         yield _state.calls
     finally:
-        _state.calls = previous
+        _state.calls, _state.stop = previous, previous_stop
 
 
 @contextlib.contextmanager
@@ -105,15 +120,22 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         mask = []
         for i, a in enumerate(args):
             mask += [i in nums] * len(jax.tree_util.tree_leaves(a))
-        loss_shape, grads_shape = jax.eval_shape(jax_fn, *args)
-        if getattr(loss_shape, "shape", None) != ():
-            raise ValueError(f"the loss function must return a scalar; it returned {loss_shape}")
+        closed = jax.make_jaxpr(lambda *l: fun(*jax.tree_util.tree_unflatten(tree, l)))(*leaves)
+        loss_aval = closed.out_avals[0]
+        if getattr(loss_aval, "shape", None) != ():
+            raise ValueError(f"the loss function must return a scalar; it returned {loss_aval}")
+        diff_args = [args[n] for n in nums]
+        grads_shape = diff_args[0] if single else tuple(diff_args)
         g_leaves, g_tree = jax.tree_util.tree_flatten(grads_shape)
-        to_aval = lambda s: jax.core.ShapedArray(s.shape, s.dtype)
-        call = GradCall(fun, nums, tree, len(leaves), tuple(mask), g_tree,
-                        tuple(to_aval(s) for s in [loss_shape, *g_leaves]), single)
+        to_aval = lambda s: jax.core.ShapedArray(jax.numpy.shape(s), jax.numpy.result_type(s))
+        consts = list(closed.consts)
+        call = GradCall(fun, nums, tree, len(leaves), (False,) * len(consts) + tuple(mask), g_tree,
+                        (loss_aval, *(to_aval(s) for s in g_leaves)), single,
+                        pe.convert_constvars_jaxpr(closed.jaxpr), len(consts))
         calls.append(call)
-        out = pipeline_grad_p.bind(*leaves, call_id=len(calls) - 1)
+        if getattr(_state, "stop", False):
+            raise LossCaptured()
+        out = pipeline_grad_p.bind(*consts, *leaves, call_id=len(calls) - 1)
         return out[0], jax.tree_util.tree_unflatten(g_tree, out[1:])
 
     return wrapped

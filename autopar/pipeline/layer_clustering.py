@@ -95,21 +95,3 @@ def _dp(C: np.ndarray, allowed: np.ndarray, L: int, combine) -> tuple[float, lis
         k = int(args[r - 1][k])
         cuts.append(k)
     return float(G[n]), cuts[::-1]
-
-
-def op_sequence_from_jaxpr(jaxpr) -> OpSequence:
-    """Per-equation FLOPs and activation edges of a jaxpr (inputs/constants excluded)."""
-    from jax.extend import core as jcore
-    from autopar.pipeline.op_costs import aval_bytes, eqn_flops
-
-    producer, readers = {}, {}
-    flops = []
-    for k, eqn in enumerate(jaxpr.eqns):
-        flops.append(eqn_flops(eqn))
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var) and v in producer:
-                readers.setdefault(v, []).append(k)
-        for v in eqn.outvars:
-            producer[v] = k
-    values = tuple((producer[v], float(aval_bytes(v.aval)), tuple(cs)) for v, cs in readers.items())
-    return OpSequence(tuple(flops), values)

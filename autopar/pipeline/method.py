@@ -1,8 +1,10 @@
-"""`PipeshardParallel`: the user's choice of pipeline parallelism (plain data)."""
+"""`PipeshardParallel`: the user's choice of pipeline parallelism, and its plan / restore /
+build (the `autopar.interface.Method` protocol)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from autopar.pipeline.schedule import SCHEDULES
 
@@ -11,31 +13,35 @@ from autopar.pipeline.schedule import SCHEDULES
 class PipeshardParallel:
     """Pipeline stages on submeshes, each with its own intra-op sharding.
 
-    num_micro_batches: micro-batches per step (the batch's leading dim must divide by it).
+    num_micro_batches: micro-batches per step (the batch's leading dim must divide by it),
+        or "auto": the planner chooses among the divisors of the batch size.
     schedule: "1f1b" (at most S micro-batches of activations alive) or "gpipe".
     num_stages: None lets the stage DP choose.
     layers: "auto" (layer clustering searches L; `mark_stage_boundary` markers, when
         present, define the layers) or an int L.
     submeshes: "auto" or a list of (hosts, devices) shapes, one per stage.
-    profile: measure candidate stages on the devices instead of the cost model.
     devices_per_host: the width of a host when planning (default: all given devices
         form one host).
     imbalance_tolerance: Alpa's pruning of the stage DP's slowest-stage bound: a new bound
         is tried only when it exceeds the last one by this fraction (0 = exact).
+    solver: the ILP solver of the layers ("highs-lp": the LP relaxation first, "highs",
+        "cbc"); time_limit_s per layer ILP.
     """
 
-    num_micro_batches: int = 1
+    num_micro_batches: int | str = 1
     schedule: str = "1f1b"
     num_stages: int | None = None
     layers: str | int = "auto"
     submeshes: str | Sequence[tuple[int, int]] = "auto"
-    profile: bool = False
     devices_per_host: int | None = None
     imbalance_tolerance: float = 0.0
+    solver: str = "highs-lp"
+    time_limit_s: float = 30.0
 
     def __post_init__(self):
-        if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
-            raise ValueError(f"num_micro_batches must be a positive int, got {self.num_micro_batches!r}")
+        B = self.num_micro_batches
+        if B != "auto" and (isinstance(B, bool) or not isinstance(B, int) or B < 1):
+            raise ValueError(f"num_micro_batches must be a positive int or 'auto', got {B!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.num_stages is not None and (not isinstance(self.num_stages, int) or self.num_stages < 1):
@@ -52,3 +58,80 @@ class PipeshardParallel:
             object.__setattr__(self, "submeshes", tuple(shapes))
         if self.imbalance_tolerance < 0:
             raise ValueError("imbalance_tolerance must be >= 0")
+
+    @property
+    def name(self) -> str:
+        return f"pipeshard({self.schedule}, B={self.num_micro_batches})"
+
+    # --- the Method protocol -------------------------------------------------------------
+    def _cluster(self, request: Any) -> Any:
+        from autopar.cluster import Cluster
+
+        c = request.cluster
+        if self.devices_per_host is None or self.devices_per_host == c.devices_per_host:
+            return c
+        n = c.num_devices
+        if n % self.devices_per_host:
+            raise ValueError(f"{n} devices do not form whole hosts of devices_per_host={self.devices_per_host}")
+        return Cluster(c.device, n // self.devices_per_host, self.devices_per_host, c.intra_host, c.inter_host)
+
+    def _planner(self, request: Any) -> Any:
+        from autopar.pipeline.planner import PipelinePlanner
+        from autopar.pipeline.trace import StepTracer
+
+        if request.kwargs:
+            raise TypeError("PipeshardParallel steps take positional arguments only")
+        cluster = self._cluster(request)
+        limit = request.memory_budget_bytes if request.memory_budget_bytes is not None else cluster.device.memory_bytes
+        return PipelinePlanner(StepTracer(request.fun, request.args, request.batch_argnums), self, cluster, limit,
+                               time_limit_s=self.time_limit_s)
+
+    def plan(self, request: Any) -> Any:
+        """Trace, run the joint planner and record the decision as a Plan."""
+        from autopar.pipeline.record import to_plan
+
+        t0 = time.perf_counter()
+        planner = self._planner(request)
+        decision = planner.plan()
+        ids = request.device_ids or tuple(range(request.cluster.num_devices))
+        plan = to_plan(decision, method_name=self.name, schedule=self.schedule, signature=request.signature,
+                       cluster=planner.cluster, memory_budget_bytes=request.memory_budget_bytes, device_ids=ids,
+                       planning_s=time.perf_counter() - t0)
+        return PipelinePlanned(plan, decision.traced, tuple(
+            (d.layers, d.costs, d.device_ids, d.logical_mesh) for d in decision.stages), planner)
+
+    def restore(self, plan: Any, request: Any) -> Any:
+        """A saved pipeline plan on the re-traced step, without planning again."""
+        from autopar.pipeline.record import restore
+        from autopar.plan import PlanFileError
+
+        if plan.pipeline is None:
+            raise PlanFileError("this is a single-stage plan; reuse it with a single-program method (method='auto')")
+        planner = self._planner(request)
+        devices = request.devices or ()
+        traced, stages = restore(plan, planner, {d.id: d for d in devices})
+        index = {d.id: k for k, d in enumerate(devices)}
+        return PipelinePlanned(plan, traced, tuple((s.layers, s.layouts, tuple(index[d.id] for d in s.devices),
+                                                    s.mesh_shape) for s in stages), planner)
+
+    def build(self, planned: Any, request: Any) -> Any:
+        from autopar.lower import build_mesh
+        from autopar.pipeline.executable import PipeshardExecutable
+        from autopar.pipeline.stage import StagePrograms
+
+        devices = list(request.devices)
+        programs = [StagePrograms(layers, tuple(layouts), build_mesh([devices[i] for i in ids], shape),
+                                  planned.traced.num_micro_batches)
+                    for layers, layouts, ids, shape in planned.stages]
+        return PipeshardExecutable(planned.plan, planned.traced, programs, devices)
+
+
+@dataclass(frozen=True)
+class PipelinePlanned:
+    """A pipeline decision: the Plan, the traced step, and per stage (layers, layer
+    layouts, device indices, logical mesh shape)."""
+
+    plan: Any
+    traced: Any
+    stages: tuple
+    planner: Any

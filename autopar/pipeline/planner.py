@@ -1,92 +1,66 @@
-"""Inter-operator planning of a traced loss: layers (markers or clustering), per-stage
-costs on every submesh, and the stage DP. Plain data in, a `PipelinePlan` out."""
+"""The pipeline planner: layers, stages, submeshes, intra-stage shardings, remat and the
+number of micro-batches, decided together.
+
+For each candidate number of micro-batches B and layer count L, the stage DP (Alpa) runs
+over (layer range, submesh, option) candidates whose option is a logical mesh of the
+submesh and a remat choice. A candidate's cost comes from the intra-op ILP of each of its
+layers on that logical mesh (`layer_cost`), composed into a stage (`stage.compose`).
+ILPs are only solved where the DP needs them: every candidate starts at a roofline lower
+bound, the DP runs, and the logical meshes its solution uses are priced exactly; this
+repeats until the solution uses only exactly priced candidates, which makes it optimal
+(every other candidate costs at least its bound). Across B and L the same bound prunes:
+a (B, L) whose lower-bound pipeline is no faster than the best exact one is skipped.
+Identical layers on one logical mesh are one ILP solve.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from jax.extend import core as jcore
 
-from autopar.boundary import is_stage_boundary
-from autopar.pipeline.layer_clustering import cluster_layers, op_sequence_from_jaxpr
+from autopar.cluster import Cluster, LogicalMesh
+from autopar.pipeline.layer_cost import LayerCost, LayerSolver
+from autopar.pipeline.layer_graph import LayerGraph, content_key, trace_layer
+from autopar.pipeline.layers import LayerSpec, clustered_cuts, cut_layers, marker_cuts, repeat_cuts
 from autopar.pipeline.method import PipeshardParallel
-from autopar.pipeline.op_costs import aval_bytes, eqn_flops
-from autopar.pipeline.stage_cost import (DeviceModel, LayerProfile, StageCost, as_stage_cost,
-                                         roofline_stage_cost)
-from autopar.pipeline.stage_dp import stage_dp
+from autopar.pipeline.stage import StageCost, StageLayers, compose, stage_layers
+from autopar.pipeline.stage_dp import StageDPResult, lazy_stage_dp, stage_dp
 from autopar.pipeline.submesh import assign_devices, logical_mesh_shapes, submesh_shapes
+from autopar.pipeline.trace import StepTracer, TracedStep
+
+REMAT_OPTIONS = ("none", "full")
+PARAM_MODES = ("fast", "sharded")   # the layer ILP free, or with every parameter most sharded
+MAX_LAYERS = 16     # repeated blocks are grouped into at most this many layers
 
 
 @dataclass(frozen=True)
-class PipelinePlan:
-    """Where each stage runs and what it computes, with predicted costs."""
+class StageDecision:
+    """One chosen stage: its layers, where it runs, its layer layouts and its cost."""
 
-    layer_cuts: tuple[int, ...]                       # equation index where each layer starts (+ end)
-    stage_layers: tuple[tuple[int, int], ...]         # per stage: layers [start, end)
-    submeshes: tuple[tuple[int, int], ...]            # per stage: (hosts, devices per host)
-    logical_meshes: tuple[tuple[int, int], ...]       # per stage: (data, model) view
-    device_ids: tuple[tuple[int, ...], ...]           # per stage: indices into the device list
-    stage_costs: tuple[StageCost, ...]
-    layer_profiles: tuple[LayerProfile, ...]
+    layers: StageLayers
+    costs: tuple[LayerCost, ...]
+    submesh: tuple[int, int]
+    logical_mesh: tuple[int, int]
+    device_ids: tuple[int, ...]
+    cost: StageCost
+    remat: str
+    in_flight: int
+    param_mode: str = "fast"
+
+
+@dataclass(frozen=True)
+class PipelineDecision:
+    """The planner's result for one train step."""
+
+    traced: TracedStep
+    layer_cuts: tuple[int, ...]
+    stages: tuple[StageDecision, ...]
     num_micro_batches: int
-    schedule: str
-    predicted_latency_s: float
-    planning_s: float = 0.0
-
-    @property
-    def stage_eqn_cuts(self) -> list[int]:
-        """Equation index where each stage starts, plus the end."""
-        return [self.layer_cuts[a] for a, _ in self.stage_layers] + [self.layer_cuts[-1]]
-
-
-def marker_cuts(jaxpr: Any) -> list[int] | None:
-    """Layer cuts right after each `mark_stage_boundary` marker; None without markers."""
-    marks = [k + 1 for k, e in enumerate(jaxpr.eqns) if is_stage_boundary(e)]
-    if not marks:
-        return None
-    cuts = sorted({0, len(jaxpr.eqns), *marks})
-    return [c for i, c in enumerate(cuts) if i == 0 or c > cuts[i - 1]]
-
-
-def layer_profiles(jaxpr: Any, cuts: Sequence[int], diff_mask: Sequence[bool]) -> list[LayerProfile]:
-    """FLOPs, parameter bytes, kept activation bytes and outgoing bytes of each layer."""
-    params = {v for v, d in zip(jaxpr.invars, diff_mask) if d}
-    layer_of = {}
-    for li in range(len(cuts) - 1):
-        for k in range(cuts[li], cuts[li + 1]):
-            layer_of[k] = li
-    producer = {}
-    for k, e in enumerate(jaxpr.eqns):
-        for v in e.outvars:
-            producer[v] = k
-    sent = [0.0] * (len(cuts) - 1)
-    seen_sent = set()
-    for k, e in enumerate(jaxpr.eqns):
-        for v in e.invars:
-            if isinstance(v, jcore.Var) and v in producer:
-                src = layer_of[producer[v]]
-                if src < layer_of[k] and (v, src) not in seen_sent:
-                    seen_sent.add((v, src))
-                    sent[src] += aval_bytes(v.aval)
-    out = []
-    for li in range(len(cuts) - 1):
-        eqns = jaxpr.eqns[cuts[li]:cuts[li + 1]]
-        read = {v for e in eqns for v in e.invars if isinstance(v, jcore.Var) and v in params}
-        out.append(LayerProfile(
-            flops=sum(eqn_flops(e) for e in eqns),
-            param_bytes=float(sum(aval_bytes(v.aval) for v in read)),
-            activation_bytes=float(sum(aval_bytes(v.aval) for e in eqns for v in e.outvars)),
-            boundary_bytes=float(sent[li])))
-    return out
-
-
-def micro_batch_size(jaxpr: Any, diff_mask: Sequence[bool]) -> int | None:
-    """Leading dimension of the loss's first batched (non-parameter) input."""
-    for v, d in zip(jaxpr.invars, diff_mask):
-        if not d and len(v.aval.shape) > 0:
-            return int(v.aval.shape[0])
-    return None
+    latency_s: float
+    search: dict[str, Any] = field(default_factory=dict)
 
 
 def in_flight(schedule: str, stages_from_here: int, num_micro_batches: int) -> int:
@@ -94,129 +68,374 @@ def in_flight(schedule: str, stages_from_here: int, num_micro_batches: int) -> i
     return min(stages_from_here, num_micro_batches) if schedule == "1f1b" else num_micro_batches
 
 
-def cost_tensors(layers: Sequence[LayerProfile], submeshes: Sequence[tuple[int, int]],
-                 max_stages: int, method: PipeshardParallel,
-                 cost_fn: Callable[[tuple[int, int], tuple[int, int], tuple[int, int]], StageCost],
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """time, once-per-step time and memory [L, L, M, S, K] for the stage DP: layers i..j on
-    submesh m as its k-th logical mesh, with the micro-batches in flight when s stages
-    (this one included) run from layer i on. Missing logical meshes are infinite."""
-    L, M, S, B = len(layers), len(submeshes), max_stages, method.num_micro_batches
-    K = max(len(logical_mesh_shapes(sub)) for sub in submeshes)
-    time = np.full((L, L, M, 1, K), np.inf)
-    it = np.zeros((L, L, M, 1, K))
-    weight = np.zeros((L, L, M, 1, K))
-    act = np.zeros((L, L, M, 1, K))
-    for i in range(L):
-        for j in range(i, L):
-            for m, sub in enumerate(submeshes):
-                for k, lm in enumerate(logical_mesh_shapes(sub)):
-                    c = cost_fn((i, j + 1), sub, lm)
-                    time[i, j, m, 0, k] = c.micro_batch_s
-                    it[i, j, m, 0, k] = c.iteration_s
-                    weight[i, j, m, 0, k] = c.weight_bytes
-                    act[i, j, m, 0, k] = c.activation_bytes
-    flight = np.array([in_flight(method.schedule, s, B) for s in range(1, S + 1)], dtype=np.float64)
-    mem = weight + act * flight[None, None, None, :, None]
-    reps = (1, 1, 1, S, 1)
-    return np.tile(time, reps), np.tile(it, reps), mem
-
-
-def plan_layers(layers: Sequence[LayerProfile], method: PipeshardParallel, num_hosts: int,
-                devices_per_host: int, device: DeviceModel,
-                cost_fn: Callable[[tuple[int, int], tuple[int, int], tuple[int, int]], StageCost] | None = None,
-                micro_batch_size: int | None = None) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]], list[StageCost], float]:
-    """Stage DP over given layers: (stage layer ranges, submeshes, logical meshes,
-    stage costs, predicted latency)."""
-    L = len(layers)
-    N = num_hosts * devices_per_host
-    if cost_fn is None:
-        cost_fn = lambda r, sub, lm: roofline_stage_cost(layers, r, sub, lm, device, micro_batch_size)
-    cache: dict = {}
-
-    def cached(r, sub, lm):
-        key = (r, sub, lm)
-        if key not in cache:
-            cache[key] = as_stage_cost(cost_fn(r, sub, lm), layers, r, lm)
-        return cache[key]
-
-    if method.submeshes != "auto":
-        fixed = list(method.submeshes)
-        S = len(fixed)
-        used = sum(n * m for n, m in fixed)
-        if used != N:
-            raise ValueError(f"submeshes {fixed} use {used} devices but there are {N} "
-                             f"({num_hosts} x {devices_per_host}); give shapes that cover all devices")
-        if S > L:
-            raise ValueError(f"{S} submeshes given but the loss has only {L} layers; "
-                             "add mark_stage_boundary() markers or raise `layers`")
-        time, it, mem = cost_tensors(layers, fixed, S, method, cached)
-        for s in range(1, S + 1):       # s stages from here: this is stage S - s
-            mask = np.ones(S, bool)
-            mask[S - s] = False
-            time[:, :, mask, s - 1] = np.inf
-        shapes, num_stages = fixed, S
-    else:
-        shapes = submesh_shapes(num_hosts, devices_per_host)
-        S = method.num_stages or min(L, N)
-        if S > L:
-            raise ValueError(f"num_stages={S} but the loss has only {L} layers; add "
-                             "mark_stage_boundary() markers or raise `layers`")
-        time, it, mem = cost_tensors(layers, shapes, S, method, cached)
-        num_stages = method.num_stages
-    res = stage_dp(time, [n * m for n, m in shapes], N, method.num_micro_batches,
-                   iteration_s=it, memory_bytes=mem, memory_limit_bytes=device.memory_bytes,
-                   num_stages=num_stages, imbalance_tolerance=method.imbalance_tolerance)
-    ranges, subs, lms, costs = [], [], [], []
-    for st in res.stages:
-        sub = shapes[st.submesh]
-        lm = logical_mesh_shapes(sub)[st.option]
-        ranges.append((st.start, st.end))
-        subs.append(sub)
-        lms.append(lm)
-        costs.append(cached((st.start, st.end), sub, lm))
-    return ranges, subs, lms, costs, res.latency_s
-
-
-def plan_pipeline(jaxpr: Any, diff_mask: Sequence[bool], method: PipeshardParallel,
-                  hosts: int, dph: int, device: DeviceModel,
-                  stage_cost_fn: Callable | None = None) -> PipelinePlan:
-    """Layers (markers, or clustering searched over L), then the stage DP, for `hosts`
-    hosts of `dph` devices. stage_cost_fn(equation range, submesh, logical mesh)."""
-    import time as _time
-
-    t0 = _time.perf_counter()
-    n = len(jaxpr.eqns)
-    marks = marker_cuts(jaxpr) if method.layers == "auto" else None
-    if marks is not None:
-        candidates = [marks]
-    else:
-        Ls = [method.layers] if method.layers != "auto" else sorted(
-            {L for L in (2, 4, 8, 16, method.num_stages or 2) if L <= n
-             and L >= (method.num_stages or 1)})
-        if not Ls:
-            raise ValueError(f"the loss has {n} operations, too few for {method.num_stages} stages")
-        seq = op_sequence_from_jaxpr(jaxpr)
-        candidates = [list(cluster_layers(seq, L).cuts) for L in Ls]
-    best = None
-    for cuts in candidates:
-        profiles = layer_profiles(jaxpr, cuts, diff_mask)
-        cost_fn = None
-        if stage_cost_fn is not None:
-            cost_fn = lambda r, sub, lm, _c=cuts: stage_cost_fn((_c[r[0]], _c[r[1]]), sub, lm)
+def choose_best(candidates: Sequence[Any], lower_bound: Callable[[Any], float],
+                exact: Callable[[Any], float]) -> tuple[Any, float, list[Any]]:
+    """The candidate (a number of micro-batches and layer count) with the least exact
+    latency: candidates in order of their lower bound, each priced exactly unless its
+    bound is no better than the best exact latency so far; a bound or price that raises
+    ValueError (nothing fits) drops the candidate. Returns (best, latency, the candidates
+    priced exactly)."""
+    bounds = {}
+    for B in candidates:
         try:
-            out = plan_layers(profiles, method, hosts, dph, device, cost_fn, micro_batch_size(jaxpr, diff_mask))
-        except ValueError:
-            if len(candidates) == 1:
-                raise
+            bounds[B] = lower_bound(B)
+        except ValueError:          # nothing fits even at the bound
             continue
-        if best is None or out[-1] < best[0][-1]:
-            best = (out, cuts, profiles)
+    best: tuple[float, int] | None = None
+    priced = []
+    for B in sorted(bounds, key=lambda b: (bounds[b], b)):
+        if best is not None and bounds[B] >= best[0]:
+            break
+        try:
+            latency = exact(B)
+        except ValueError:
+            continue
+        priced.append(B)
+        if best is None or latency < best[0] * (1 - 1e-12):
+            best = (latency, B)
     if best is None:
-        raise ValueError("no pipeline plan fits the devices' memory for any layer count")
-    (ranges, subs, lms, costs, latency), cuts, profiles = best
-    ids = assign_devices(subs, hosts, dph)
-    return PipelinePlan(tuple(cuts), tuple(ranges), tuple(subs), tuple(lms),
-                        tuple(tuple(x) for x in ids), tuple(costs), tuple(profiles),
-                        method.num_micro_batches, method.schedule, latency,
-                        _time.perf_counter() - t0)
+        raise ValueError("no pipeline fits the devices' memory for any number of micro-batches or layers")
+    return best[1], best[0], priced
+
+
+class _Candidates:
+    """The stage DP's candidate costs for one (B, L): tensors [L, L, M, S, K] over (layer
+    range, submesh, stage count, option), option = (logical mesh, parameter mode, remat).
+    A candidate starts at its roofline lower bound; once the ILP has solved all its
+    layers' contents for that option it holds its exact cost (layers solved so far
+    tighten the bound)."""
+
+    def __init__(self, planner: "PipelinePlanner", traced: TracedStep, cuts: Sequence[int], shapes, num_stages_max: int):
+        self.planner, self.traced, self.cuts = planner, traced, list(cuts)
+        self.layers = {r: planner.layer_graphs(traced, cuts, remat) for r, remat in enumerate(REMAT_OPTIONS)}
+        self.keys = {r: [lg.key for lg in lgs] for r, lgs in self.layers.items()}
+        self.shapes = list(shapes)
+        self.logical = [logical_mesh_shapes(sub) for sub in self.shapes]
+        L, M, S = len(self.layers[0]), len(self.shapes), num_stages_max
+        self.R, self.P = len(REMAT_OPTIONS), len(PARAM_MODES)
+        self.K = max(len(x) for x in self.logical) * self.P * self.R
+        self.S = S
+        B, schedule = traced.num_micro_batches, planner.method.schedule
+        self.flight = np.array([in_flight(schedule, s, B) for s in range(1, S + 1)], dtype=np.float64)
+        shape = (L, L, M, 1, self.K)
+        self.time = np.full(shape, np.inf)
+        self.iteration = np.zeros(shape)
+        self.weight = np.zeros(shape)
+        self.act = np.zeros(shape)
+        self.working = np.zeros(shape)
+        self.update = np.zeros(shape)
+        self.solved: dict[tuple[int, int, int, int], dict[str, LayerCost]] = {}   # (m, k, p, r) -> key -> solution
+        self.costs: dict[tuple, StageCost] = {}
+        sf = planner.state_factor
+        self._param_bytes = [sum(lg.graph.vars[v].nbytes for v in lg.param_vars) * (2 + sf) for lg in self.layers[0]]
+        self._residual_bytes = {r: [sum(lg.graph.vars[v].nbytes for v in lg.residuals) for lg in lgs]
+                                for r, lgs in self.layers.items()}
+        for m in range(M):
+            for k in range(len(self.logical[m])):
+                for p in range(self.P):
+                    for r in range(self.R):
+                        self._fill(m, k, p, r)
+
+    def mesh(self, m: int, k: int) -> LogicalMesh:
+        return self.planner.logical_mesh(self.logical[m][k])
+
+    def is_exact(self, i: int, j: int, m: int, k: int, p: int, r: int) -> bool:
+        done = self.solved.get((m, k, p, r), {})
+        return all(key in done for key in self.keys[r][i:j + 1])
+
+    def _fill(self, m: int, k: int, p: int, r: int) -> None:
+        """(Re)compute the entries of one option on one submesh: exact where every layer of
+        the range is solved, else layer costs and bounds summed (a bound: reshards,
+        transfers, the update and working memory only add)."""
+        mesh = self.mesh(m, k)
+        n = mesh.num_devices
+        done = self.solved.get((m, k, p, r), {})
+        layers, keys = self.layers[r], self.keys[r]
+        L = len(layers)
+        per_time = np.array([done[key].time_s if key in done else self.planner.solver.lower_bound(lg, mesh)
+                             for key, lg in zip(keys, layers)])
+        per_act = np.array([done[key].residual_bytes if key in done else b / n
+                            for key, b in zip(keys, self._residual_bytes[r])])
+        per_weight = np.array(self._param_bytes) / n
+        c_time, c_act, c_w = (np.concatenate([[0.0], np.cumsum(x)]) for x in (per_time, per_act, per_weight))
+        send = self.planner.send_s_per_byte(self.shapes[m])
+        o = self.index(k, p, r)
+        for i in range(L):
+            for j in range(i, L):
+                if all(key in done for key in keys[i:j + 1]):
+                    c = self.costs.get((i, j, m, k, p, r))
+                    if c is None:
+                        c = self.costs[(i, j, m, k, p, r)] = compose(
+                            stage_layers(layers[i:j + 1], layers), [done[key] for key in keys[i:j + 1]], mesh,
+                            state_bytes_per_param_byte=self.planner.state_factor, send_s_per_byte=send)
+                    values = (c.micro_batch_s, c.iteration_s, c.weight_bytes, c.activation_bytes,
+                              c.working_bytes, c.update_bytes)
+                else:
+                    values = (c_time[j + 1] - c_time[i], 0.0, c_w[j + 1] - c_w[i], c_act[j + 1] - c_act[i], 0.0, 0.0)
+                (self.time[i, j, m, 0, o], self.iteration[i, j, m, 0, o], self.weight[i, j, m, 0, o],
+                 self.act[i, j, m, 0, o], self.working[i, j, m, 0, o], self.update[i, j, m, 0, o]) = values
+
+    def price(self, i: int, j: int, m: int, k: int, p: int, r: int) -> None:
+        """Solve the ILP of every layer content of range i..j not yet solved for this
+        option, then refresh its candidates."""
+        mesh = self.mesh(m, k)
+        done = self.solved.setdefault((m, k, p, r), {})
+        for key, lg in zip(self.keys[r][i:j + 1], self.layers[r][i:j + 1]):
+            if key not in done:
+                done[key] = self.planner.solver(lg, mesh, PARAM_MODES[p])
+        self._fill(m, k, p, r)
+
+    def tensors(self):
+        """(time, once-per-step time, memory) [L, L, M, S, K] for the stage DP."""
+        reps = (1, 1, 1, self.S, 1)
+        f = self.flight[None, None, None, :, None]
+        mem = self.weight + np.maximum(self.act * f + self.working, self.update)
+        return np.tile(self.time, reps), np.tile(self.iteration, reps), mem
+
+    def index(self, k: int, p: int, r: int) -> int:
+        return (k * self.P + p) * self.R + r
+
+    def option(self, o: int) -> tuple[int, int, int]:
+        """(logical mesh, parameter mode, remat) of option index o."""
+        kp, r = divmod(o, self.R)
+        k, p = divmod(kp, self.P)
+        return k, p, r
+
+    @property
+    def meshes_priced(self) -> int:
+        return len({(m, k) for m, k, _, _ in self.solved})
+
+
+class PipelinePlanner:
+    """One planning run of PipeshardParallel on a cluster: its caches (traces, layer
+    graphs, ILP solves) live as long as it does."""
+
+    def __init__(self, tracer: StepTracer, method: PipeshardParallel, cluster: Cluster,
+                 memory_limit_bytes: float, time_limit_s: float = 30.0):
+        self.tracer, self.method, self.cluster = tracer, method, cluster
+        self.memory_limit_bytes = memory_limit_bytes
+        self.solver = LayerSolver(time_limit_s=time_limit_s, solver=method.solver)
+        self._layer_graphs: dict[tuple[int, str, str], Any] = {}
+        self.state_factor = optimizer_state_factor(tracer)
+        self.dp_runs = 0
+        self._meshes: dict[tuple[int, int], LogicalMesh] = {}
+
+    # --- layers ---------------------------------------------------------------------
+    def layer_graphs(self, traced: TracedStep, cuts: Sequence[int], remat: str = "none") -> list[LayerGraph]:
+        """Train graphs of the layers at `cuts`; identical layers are traced once."""
+        specs = cut_layers(traced.loss, cuts, traced.diff_mask)
+        out = []
+        for spec in specs:
+            key = content_key(traced.loss, spec, remat)
+            hit = self._layer_graphs.get((traced.num_micro_batches, key, remat))
+            if hit is None:
+                lg = trace_layer(traced.loss, spec, remat)
+                self._layer_graphs[(traced.num_micro_batches, key, remat)] = lg
+            else:
+                lg = _rebind(hit, spec)
+            out.append(lg)
+        return out
+
+    def layer_cut_candidates(self, traced: TracedStep) -> list[list[int]]:
+        """With layers="auto": the loss's markers, else its repeated blocks, else Alpa's
+        clustering for several L; with an int L, clustering into L layers."""
+        n = len(traced.loss.ops)
+        stages = self.method.num_stages or 1
+        if self.method.layers == "auto":
+            marks = marker_cuts(traced.loss)
+            if marks is not None:
+                return [marks]
+            blocks = repeat_cuts(traced.loss, max_layers=MAX_LAYERS)
+            if blocks is not None and len(blocks) - 1 >= stages:
+                return [blocks]
+            Ls = sorted({L for L in (2, 4, 8, 16, self.method.num_stages or 2) if stages <= L <= n})
+        else:
+            Ls = [self.method.layers]
+        if not Ls or max(Ls) > n:
+            raise ValueError(f"the loss has {n} operations, too few for {max(Ls, default=self.method.num_stages)} layers")
+        return [clustered_cuts(traced.loss, L) for L in Ls]
+
+    def logical_mesh(self, shape: tuple[int, int]) -> LogicalMesh:
+        if shape not in self._meshes:
+            self._meshes[shape] = self.cluster.logical_mesh(shape)
+        return self._meshes[shape]
+
+    def send_s_per_byte(self, submesh: tuple[int, int]) -> float:
+        """Seconds per byte to hand an activation to the next stage: across hosts when the
+        submesh fills whole hosts of a multi-host cluster, else inside one."""
+        c = self.cluster
+        link = c.inter_host if c.num_hosts > 1 and submesh[1] == c.devices_per_host else c.intra_host
+        return link.beta_s_per_byte
+
+    # --- the search -----------------------------------------------------------------
+    def _shapes(self) -> tuple[list[tuple[int, int]], int | None, bool]:
+        c = self.cluster
+        if self.method.submeshes != "auto":
+            fixed = list(self.method.submeshes)
+            used = sum(n * m for n, m in fixed)
+            if used != c.num_devices:
+                raise ValueError(f"submeshes {fixed} use {used} devices but there are {c.num_devices} "
+                                 f"({c.num_hosts} x {c.devices_per_host}); give shapes that cover all devices")
+            return fixed, len(fixed), True
+        return submesh_shapes(c.num_hosts, c.devices_per_host), self.method.num_stages, False
+
+    def _dp(self, cand: _Candidates, time_s, it, mem, num_stages, fixed, limit: float | None = None) -> StageDPResult:
+        if fixed:
+            time_s = _restrict_to_given(cand, time_s)
+        self.dp_runs += 1
+        return stage_dp(time_s, [n * m for n, m in cand.shapes], self.cluster.num_devices,
+                        cand.traced.num_micro_batches, iteration_s=it, memory_bytes=mem,
+                        memory_limit_bytes=self.memory_limit_bytes if limit is None else limit, num_stages=num_stages,
+                        imbalance_tolerance=self.method.imbalance_tolerance)
+
+    def _solve_exact(self, cand: _Candidates, num_stages, fixed, limit: float | None = None) -> StageDPResult:
+        """The lazy DP (`stage_dp.lazy_stage_dp`) over these candidates."""
+        def tensors():      # one per DP run
+            self.dp_runs += 1
+            time_s, it, mem = cand.tensors()
+            return _restrict_to_given(cand, time_s) if fixed else time_s, it, mem
+
+        def exact(st, _s):
+            return cand.is_exact(st.start, st.end - 1, st.submesh, *cand.option(st.option))
+
+        def price(st, _s):
+            cand.price(st.start, st.end - 1, st.submesh, *cand.option(st.option))
+
+        return lazy_stage_dp(tensors, exact, price, [n * m for n, m in cand.shapes], self.cluster.num_devices,
+                             cand.traced.num_micro_batches, num_stages=num_stages,
+                             memory_limit_bytes=self.memory_limit_bytes if limit is None else limit,
+                             imbalance_tolerance=self.method.imbalance_tolerance)
+
+    def plan(self) -> PipelineDecision:
+        B_given = self.method.num_micro_batches
+        Bs = self.tracer.micro_batch_counts() if B_given == "auto" else [B_given]
+        ref = self.tracer.at(Bs[0])
+        cut_options = self.layer_cut_candidates(ref)
+        shapes, num_stages, fixed = self._shapes()
+        if num_stages is not None:
+            longest = max(len(c) - 1 for c in cut_options)
+            if num_stages > longest:
+                raise ValueError(f"{num_stages} stages but the loss has only {longest} layers; add "
+                                 f"mark_stage_boundary() markers, raise `layers`, or use fewer stages")
+            cut_options = [c for c in cut_options if len(c) - 1 >= num_stages]
+        problems: dict[tuple[int, int], _Candidates] = {}
+
+        def candidates(B: int, c: int) -> _Candidates:
+            if (B, c) not in problems:
+                traced = self.tracer.at(B)
+                if len(traced.loss.ops) != len(ref.loss.ops):
+                    raise ValueError("the loss has a different structure at different micro-batch sizes; "
+                                     "give num_micro_batches explicitly")
+                cuts = cut_options[c]
+                S = num_stages or min(len(cuts) - 1, self.cluster.num_devices)
+                problems[(B, c)] = _Candidates(self, traced, cuts, shapes, S)
+            return problems[(B, c)]
+
+        keys = [(B, c) for B in Bs for c in range(len(cut_options))]
+        results: dict[tuple[int, int], StageDPResult] = {}
+
+        def lower(key):
+            cand = candidates(*key)
+            return self._dp(cand, *cand.tensors(), num_stages, fixed).latency_s
+
+        def exact(key):
+            res = self._solve_exact(candidates(*key), num_stages, fixed)
+            results[key] = res
+            return res.latency_s
+
+        try:
+            key, latency, priced = choose_best(keys, lower, exact)
+        except ValueError:
+            need = min((self._min_memory(problems[k], num_stages, fixed) for k in keys if k in problems),
+                       default=math.inf)
+            if not math.isfinite(need):
+                raise ValueError("no pipeline fits the devices at any memory budget: the submeshes cannot "
+                                 "cover the devices with these stages; change num_stages or submeshes") from None
+            from autopar.intra_op import MemoryBudgetError
+
+            raise MemoryBudgetError(self.memory_limit_bytes, need, (1, self.cluster.num_devices), remat_on=True,
+                                    what=f"no pipeline plan ({self.method.schedule}, micro-batches "
+                                         f"{'/'.join(map(str, Bs))}) with sharded parameters or remat") from None
+        cand, res = problems[key], results[key]
+        decision = self._decide(cand, res)
+        B = cand.traced.num_micro_batches
+        latency = res.latency_s
+        search = {"micro_batch_candidates": tuple(Bs), "micro_batch_evaluated": tuple(sorted({k[0] for k in priced})),
+                  "layer_counts": tuple(len(c) - 1 for c in cut_options), "ilp_solves": self.solver.solves,
+                  "dp_runs": self.dp_runs, "meshes_priced": sum(p.meshes_priced for p in problems.values())}
+        return PipelineDecision(cand.traced, tuple(cand.cuts), decision, B, latency, search)
+
+    def _min_memory(self, cand: _Candidates, num_stages, fixed, rel_tol: float = 0.02) -> float:
+        """The smallest per-device memory limit under which a plan of these candidates
+        exists (to within rel_tol): bisection on the limit, each step the lazy DP."""
+        def feasible(limit: float, exact: bool) -> bool:
+            try:
+                (self._solve_exact if exact else lambda *a: self._dp(cand, *cand.tensors(), *a))(
+                    *((cand, num_stages, fixed, limit) if exact else (num_stages, fixed, limit)))
+                return True
+            except ValueError:
+                return False
+
+        if not feasible(math.inf, False):
+            return math.inf
+        values = np.unique(cand.tensors()[2][np.isfinite(cand.time)[..., :1, :].repeat(cand.S, 3)])
+        lo_i, hi_i = 0, len(values) - 1
+        while lo_i < hi_i:       # the bound's minimum: no plan needs less
+            mid = (lo_i + hi_i) // 2
+            lo_i, hi_i = (lo_i, mid) if feasible(values[mid], False) else (mid + 1, hi_i)
+        lo = hi = float(values[lo_i])
+        while not feasible(hi, True):
+            lo, hi = hi, hi * 1.5
+        while hi > lo * (1 + rel_tol):
+            mid = (lo * hi) ** 0.5
+            lo, hi = (lo, mid) if feasible(mid, True) else (mid, hi)
+        return hi
+
+    def _decide(self, cand: _Candidates, res: StageDPResult) -> tuple[StageDecision, ...]:
+        c = self.cluster
+        subs = [cand.shapes[st.submesh] for st in res.stages]
+        ids = assign_devices(subs, c.num_hosts, c.devices_per_host)
+        out = []
+        S = len(res.stages)
+        for n, (st, dev) in enumerate(zip(res.stages, ids)):
+            k, p, r = cand.option(st.option)
+            layers = cand.layers[r]
+            done = cand.solved[(st.submesh, k, p, r)]
+            out.append(StageDecision(
+                stage_layers(layers[st.start:st.end], layers),
+                tuple(done[key] for key in cand.keys[r][st.start:st.end]), cand.shapes[st.submesh],
+                cand.logical[st.submesh][k], tuple(dev), cand.costs[(st.start, st.end - 1, st.submesh, k, p, r)],
+                REMAT_OPTIONS[r], in_flight(self.method.schedule, S - n, cand.traced.num_micro_batches),
+                PARAM_MODES[p]))
+        return tuple(out)
+
+
+def _restrict_to_given(cand: _Candidates, time_s: np.ndarray) -> np.ndarray:
+    """With given submeshes, the k-th stage (S - k stages from it) must use the k-th one."""
+    S = cand.S
+    time_s = time_s.copy()
+    for s in range(1, S + 1):
+        mask = np.ones(len(cand.shapes), bool)
+        mask[S - s] = False
+        time_s[:, :, mask, s - 1] = np.inf
+    return time_s
+
+
+def _rebind(lg: LayerGraph, spec: LayerSpec) -> LayerGraph:
+    """The same train graph for another layer with identical content."""
+    from dataclasses import replace
+
+    return replace(lg, spec=spec)
+
+
+def optimizer_state_factor(tracer: StepTracer) -> float:
+    """Bytes of optimizer state per byte of parameters: step inputs the update reads that
+    are neither parameters nor batch, against the differentiated parameters."""
+    step, g = tracer.step, tracer.step.ops[tracer.grad_op]
+    params = {v for v, d in zip(g.inputs, tracer.call.diff_leaf_mask) if d}
+    param_bytes = sum(step.vars[v].nbytes for v in params)
+    read_after = {v for op in step.ops[tracer.grad_op + 1:] for v in op.inputs}
+    before = {v for op in step.ops[:tracer.grad_op] for v in op.inputs} | set(g.inputs)
+    state = [v for v in step.invars if v in read_after and v not in params and v not in before
+             and step.vars[v].ndim > 0]
+    return sum(step.vars[v].nbytes for v in state) / param_bytes if param_bytes else 0.0

@@ -18,7 +18,7 @@ factor (1 + eps) of the optimum; eps = 0 is exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -143,3 +143,24 @@ def _reconstruct(args, option, s, L, N, sizes) -> list[StageChoice]:
         k, d = i + 1, d - int(sizes[m])
     assert k == L and d == 0
     return out
+
+
+def lazy_stage_dp(tensors: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]],
+                  is_exact: Callable[[StageChoice, int], bool], price: Callable[[StageChoice, int], None],
+                  submesh_sizes: Sequence[int], num_devices: int, num_micro_batches: int,
+                  **kwargs) -> StageDPResult:
+    """The stage DP over candidates priced on demand. `tensors()` gives the current (time,
+    once-per-step time, memory); a candidate not yet priced holds a lower bound of its time
+    and memory. Solve, price the candidates the solution uses (`price(stage, stages from
+    it)`), repeat until the solution uses only priced candidates: then it is optimal,
+    since every other candidate costs at least its bound."""
+    while True:
+        time_s, it, mem = tensors()
+        res = stage_dp(time_s, submesh_sizes, num_devices, num_micro_batches, iteration_s=it,
+                       memory_bytes=mem, **kwargs)
+        S = len(res.stages)
+        pending = [(st, S - n) for n, st in enumerate(res.stages) if not is_exact(st, S - n)]
+        if not pending:
+            return res
+        for st, s in pending:
+            price(st, s)

@@ -19,9 +19,13 @@ def submesh_shapes(num_hosts: int, devices_per_host: int) -> list[tuple[int, int
 
 
 def logical_mesh_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
-    """All 2-D views (a, b) with a * b = devices of the submesh, a = data-parallel axis."""
-    d = submesh[0] * submesh[1]
-    return [(a, d // a) for a in range(1, d + 1) if d % a == 0]
+    """The 2-D views (n / b, b) of a submesh of n devices whose second axis stays inside one
+    host (b divides the devices per host), as in Alpa. Both axes are the ILP's to use: a
+    tensor split over the first (inter-host) axis, or over both, is priced at inter-host
+    bandwidth, so model parallelism spans hosts only where that wins."""
+    hosts, per_host = submesh
+    n = hosts * per_host
+    return [(n // b, b) for b in range(per_host, 0, -1) if per_host % b == 0]
 
 
 def assign_devices(shapes: Sequence[tuple[int, int]], num_hosts: int,

@@ -1,114 +1,106 @@
-"""Split a traced train step around its gradient call: what feeds the gradient (pre),
-the gradient itself, and the rest (the optimizer update) assigned to pipeline stages.
+"""Split a traced train step around its gradient op: what feeds the gradient (pre), the
+gradient itself, and the rest (the optimizer update) assigned to pipeline stages.
 
-An update equation goes to the stage that holds its inputs (a parameter's update goes to
-the stage that owns the parameter). Equations whose inputs belong to no stage (step
-counters, learning-rate schedules) are recomputed wherever they are needed. If one
-equation mixes values of two stages (e.g. a global gradient-norm clip), the update is
-not splittable and runs as one program on all pipeline devices.
+An update op goes to the stage that holds its inputs (a parameter's update goes to the
+stage that owns the parameter). Ops whose inputs belong to no stage (step counters,
+learning-rate schedules) are recomputed wherever they are needed. If one op mixes values
+of two stages (e.g. a global gradient-norm clip), the update is not splittable and runs as
+one program on all pipeline devices.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Iterable, Sequence
 
-from jax.extend import core as jcore
+from rockmate.graph import OpGraph
 
 
 @dataclass(frozen=True)
 class SubProgram:
-    """Equations (indices into the step jaxpr) with the variables they read and write."""
+    """Ops of the step graph (indices) with the vars they read and the vars wanted from them."""
 
-    eqn_indices: tuple[int, ...]
-    invars: tuple[Any, ...]
-    outvars: tuple[Any, ...]
+    ops: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class StepSplit:
-    """A train step cut around its single pipelined gradient equation."""
+    """A train step cut around its single pipelined gradient op."""
 
-    grad_eqn_index: int
+    grad_op: int
     pre: SubProgram
     updates: tuple[SubProgram, ...] | None   # one per stage, or None when not splittable
     update_all: SubProgram                   # the whole update, for the fallback
-    var_stage: dict[Any, int]                # step variable -> stage that holds it
+    var_stage: dict[int, int]                # step var -> stage that holds it
 
 
-def _vars(seq):
-    return [v for v in seq if isinstance(v, jcore.Var) and not isinstance(v, jcore.DropVar)]
-
-
-def _program(eqns, indices, needed_out) -> SubProgram:
-    produced, read = set(), []
+def _program(graph: OpGraph, indices: Iterable[int], wanted: Sequence[int]) -> SubProgram:
+    indices = tuple(indices)
+    produced: set[int] = set()
+    read: list[int] = []
     for i in indices:
-        for v in _vars(eqns[i].invars):
-            if v not in produced and v not in read:
+        for v in graph.ops[i].inputs:
+            if v not in produced and v not in graph.literals and v not in read:
                 read.append(v)
-        produced.update(_vars(eqns[i].outvars))
-    outs = [v for v in dict.fromkeys(needed_out) if v in produced]
-    return SubProgram(tuple(indices), tuple(read), tuple(outs))
+        produced.update(graph.ops[i].outputs)
+    return SubProgram(indices, tuple(read), tuple(v for v in dict.fromkeys(wanted) if v in produced))
 
 
-def split_step(jaxpr: Any, grad_eqn_index: int, grad_in_stage: Sequence[int | None],
+def split_step(graph: OpGraph, grad_op: int, grad_in_stage: Sequence[int | None],
                grad_out_stage: Sequence[int], num_stages: int) -> StepSplit:
-    """Cut `jaxpr` around equation `grad_eqn_index`.
+    """Cut `graph` around op `grad_op`.
 
-    `grad_in_stage[k]`: stage owning the gradient equation's k-th input (None for batch
-    data); `grad_out_stage[k]`: stage holding its k-th output (loss, then gradients).
+    `grad_in_stage[k]`: stage owning the gradient op's k-th input (None for batch data);
+    `grad_out_stage[k]`: stage holding its k-th output (loss, then gradients).
     """
-    eqns = jaxpr.eqns
-    g = eqns[grad_eqn_index]
-    # pre: ancestors of the gradient equation's inputs
-    need = set(_vars(g.invars))
+    ops = graph.ops
+    g = ops[grad_op]
+    need = set(g.inputs)
     pre_idx = []
-    for i in range(grad_eqn_index - 1, -1, -1):
-        if need & set(_vars(eqns[i].outvars)):
+    for i in range(grad_op - 1, -1, -1):
+        if need & set(ops[i].outputs):
             pre_idx.append(i)
-            need.update(_vars(eqns[i].invars))
+            need.update(ops[i].inputs)
     pre_idx.reverse()
-    pre = _program(eqns, pre_idx, _vars(g.invars))
-    rest = [i for i in range(len(eqns)) if i != grad_eqn_index and i not in set(pre_idx)]
+    pre = _program(graph, pre_idx, g.inputs)
+    pre_set = set(pre_idx)
+    rest = [i for i in range(len(ops)) if i != grad_op and i not in pre_set]
 
-    var_stage: dict[Any, int] = {}
-    for v, s in zip(g.invars, grad_in_stage):
-        if isinstance(v, jcore.Var) and s is not None:
+    var_stage: dict[int, int] = {}
+    for v, s in zip(g.inputs, grad_in_stage):
+        if s is not None and v not in graph.literals:
             var_stage.setdefault(v, s)
-    for v, s in zip(g.outvars, grad_out_stage):
-        if not isinstance(v, jcore.DropVar):
-            var_stage[v] = s
-    eqn_stage: dict[int, int | None] = {}
+    var_stage.update(zip(g.outputs, grad_out_stage))
+    op_stage: dict[int, int | None] = {}
     splittable = True
     for i in rest:
-        stages = {var_stage[v] for v in _vars(eqns[i].invars) if v in var_stage}
+        stages = {var_stage[v] for v in ops[i].inputs if v in var_stage}
         if len(stages) > 1:
             splittable = False
             break
         s = stages.pop() if stages else None
-        eqn_stage[i] = s
+        op_stage[i] = s
         if s is not None:
-            for v in _vars(eqns[i].outvars):
-                var_stage[v] = s
-    needed_out = list(jaxpr.outvars)
-    update_all = _program(eqns, rest, needed_out)
+            var_stage.update((v, s) for v in ops[i].outputs)
+    update_all = _program(graph, rest, graph.outvars)
     if not splittable:
-        return StepSplit(grad_eqn_index, pre, None, update_all, var_stage)
-    # free (stage-less) equations: recompute them in every stage program that needs them;
-    # free step outputs are produced by stage 0's program.
-    producer = {v: i for i in rest for v in _vars(eqns[i].outvars)}
+        return StepSplit(grad_op, pre, None, update_all, var_stage)
+    # stage-less ops are recomputed in every stage program that needs them; stage-less
+    # step outputs come from stage 0's program
+    producer = {v: i for i in rest for v in ops[i].outputs}
     updates = []
     for s in range(num_stages):
-        chosen = {i for i in rest if eqn_stage[i] == s}
-        wanted = [v for v in _vars(jaxpr.outvars)
-                  if v in producer and (eqn_stage[producer[v]] == s or
-                                        (s == 0 and eqn_stage[producer[v]] is None))]
-        stack = [producer[v] for v in wanted if eqn_stage[producer[v]] is None]
-        stack += [producer[v] for i in chosen for v in _vars(eqns[i].invars) if v in producer]
+        chosen = {i for i in rest if op_stage[i] == s}
+        wanted = [v for v in graph.outvars
+                  if v in producer and (op_stage[producer[v]] == s or (s == 0 and op_stage[producer[v]] is None))]
+        stack = [producer[v] for v in wanted if op_stage[producer[v]] is None]
+        stack += [producer[v] for i in chosen for v in ops[i].inputs if v in producer]
         while stack:
             i = stack.pop()
             if i in chosen:
                 continue
             chosen.add(i)
-            stack += [producer[v] for v in _vars(eqns[i].invars) if v in producer]
-        updates.append(_program(eqns, sorted(chosen), wanted))
-    return StepSplit(grad_eqn_index, pre, tuple(updates), update_all, var_stage)
+            stack += [producer[v] for v in ops[i].inputs if v in producer]
+        updates.append(_program(graph, sorted(chosen), wanted))
+    return StepSplit(grad_op, pre, tuple(updates), update_all, var_stage)

@@ -45,20 +45,9 @@ def candidate_specs(shape: tuple[int, ...], mesh_shape: MeshShape,
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=None)
-def itemsize(dtype: str) -> int:
-    """Bytes per element; PRNG key arrays and other extended dtypes count as 8 bytes."""
-    import jax.numpy as jnp
-
-    try:
-        return int(jnp.dtype(dtype).itemsize)
-    except Exception:  # noqa: BLE001 - extended dtypes such as key<fry>
-        return 8
-
-
 def local_bytes(t: TensorSpec, spec: DimSharding | None, mesh_shape: MeshShape) -> float:
     """Per-device bytes of tensor `t` laid out as `spec` (None: replicated)."""
-    n = t.size * itemsize(t.dtype)
+    n = t.nbytes
     if spec:
         for axes in spec:
             for a in axes:

@@ -4,7 +4,7 @@ The lowering uses the `on_output` hook to put sharding constraints on chosen val
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -26,15 +26,24 @@ def eval_graph(graph: OpGraph, flat_args: Sequence[Any], on_output: OutputHook |
             f"eval_graph: the graph takes {len(graph.invars)} flat arguments, got {len(flat_args)}; "
             "flatten (args, kwargs) with jax.tree_util.tree_leaves, as trace_graph did."
         )
-    env: dict[int, Any] = dict(graph.literals)
-    env.update(zip(graph.invars, flat_args))
-    for op in graph.ops:
-        outs = op.primitive.bind(*(env[i] for i in op.inputs), **op.primitive.get_bind_params(op.params))
+    env: dict[int, Any] = dict(zip(graph.invars, flat_args))
+    eval_ops(graph, range(len(graph.ops)), env, on_output)
+    return [env[v] if v in env else graph.literals[v] for v in graph.outvars]
+
+
+def eval_ops(graph: OpGraph, indices: Iterable[int], env: dict[int, Any],
+             on_output: OutputHook | None = None) -> None:
+    """Evaluate the ops at `indices` (in that order), reading and writing `env` (var id ->
+    value); literals are read from the graph. Pipeline stages and rockmate's blocks run
+    slices of a graph this way."""
+    for i in indices:
+        op = graph.ops[i]
+        args = [env[v] if v in env else graph.literals[v] for v in op.inputs]
+        outs = op.primitive.bind(*args, **op.primitive.get_bind_params(op.params))
         if not op.primitive.multiple_results:
             outs = (outs,)
         for vid, value in zip(op.outputs, outs):
             env[vid] = on_output(op, vid, value) if on_output is not None else value
-    return [env[v] for v in graph.outvars]
 
 
 def call_graph(graph: OpGraph, *args: Any, on_output: OutputHook | None = None, **kwargs: Any) -> Any:

@@ -66,14 +66,6 @@ def op_flops(
     return 0.0
 
 
-def spec_nbytes(spec: TensorSpec) -> int:
-    """Bytes of a value; extended dtypes that numpy cannot size (PRNG keys) count as 0."""
-    try:
-        return spec.nbytes
-    except TypeError:
-        return 0
-
-
 def op_bytes(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> float:
     """Bytes read plus bytes written, unfused."""
-    return float(sum(spec_nbytes(s) for s in inputs) + sum(spec_nbytes(s) for s in outputs))
+    return float(sum(s.nbytes for s in inputs) + sum(s.nbytes for s in outputs))

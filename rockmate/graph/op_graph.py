@@ -16,10 +16,26 @@ import numpy as np
 
 
 @functools.lru_cache(maxsize=None)
-def _itemsize(dtype: str) -> int:
+def jax_dtype(dtype: str) -> Any:
+    """The dtype object of a dtype name, PRNG key dtypes ("key<fry>") included."""
+    import jax
     import jax.numpy as jnp  # bfloat16 is only known to numpy through ml_dtypes
 
-    return jnp.dtype(dtype).itemsize
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        pass
+    for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
+        key_dtype = jax.random.key(0, impl=impl).dtype
+        if str(key_dtype) == dtype:
+            return key_dtype
+    raise TypeError(f"unknown dtype {dtype!r}: not a numpy dtype or a known PRNG key dtype")
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name; a PRNG key holds its implementation's key data
+    (threefry: 2 x uint32 = 8 bytes)."""
+    return jax_dtype(dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -35,7 +51,7 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
-        return _itemsize(self.dtype)
+        return dtype_itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -44,6 +60,12 @@ class TensorSpec:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    def abstract(self) -> Any:
+        """A `jax.ShapeDtypeStruct` of this value (to trace or lower without data)."""
+        import jax
+
+        return jax.ShapeDtypeStruct(self.shape, jax_dtype(self.dtype))
 
 
 @dataclass

@@ -1,0 +1,178 @@
+"""A layer's intra-op ILP solution on one logical mesh, and what it costs per device.
+
+The ILP shards the layer's train graph (forward + backward of one micro-batch). Its
+activation output is returned in the layout of the matching activation input, so a
+stack of identical layers hands activations on without resharding (the ILP pays the
+reshard when one is needed), parameter gradients come back in their parameters' layouts
+(the accumulators and the optimizer update use them) and the cotangent arriving for an
+output is charged its reshard from the layout the next layer returns it in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.cluster import LogicalMesh
+from autopar.intra_op import IDENTITY_PRIMITIVES, MemoryBudgetError, ShardingPlan, live_ops, plan_sharding
+from autopar.pipeline.layer_graph import LayerGraph
+from autopar.sharding_spec import Collective, DimSharding, all_layouts, shard_factor
+from rockmate.graph.fusion import liveness_peak, materialized
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Layer on a logical mesh: its layouts and per-device costs for one micro-batch."""
+
+    mesh_shape: tuple[int, int]
+    plan: ShardingPlan                  # on the layer's train graph
+    time_s: float                       # forward + backward (the ILP objective)
+    forward_s: float                    # the part of it spent in forward ops
+    residual_bytes: float               # kept per micro-batch in flight
+    param_bytes: tuple[float, ...]      # per param input, in its layout
+    forward_peak_bytes: float           # transient working memory of the forward
+    backward_peak_bytes: float          # ... and of the backward
+
+    @property
+    def var_specs(self) -> dict[int, DimSharding]:
+        return self.plan.var_specs
+
+    @property
+    def out_specs(self) -> tuple[DimSharding, ...]:
+        return self.plan.out_specs
+
+    @property
+    def collectives(self) -> tuple[Collective, ...]:
+        return self.plan.collectives
+
+
+def _pairs(lg: LayerGraph) -> dict[int, int]:
+    """out_act index -> in_act index of the same shape and dtype (in order)."""
+    free = list(range(len(lg.spec.in_acts)))
+    out = {}
+    specs = lg.graph.vars
+    for k, v in enumerate(lg.out_vars):
+        for j in free:
+            if specs[lg.act_vars[j]] == specs[v]:
+                out[k] = j
+                free.remove(j)
+                break
+    return out
+
+
+def layer_ties(lg: LayerGraph) -> tuple[dict[int, int], list[tuple[int, int]]]:
+    """tie_outputs (output position -> input position) and tie_vars for the layer ILP."""
+    g = lg.graph
+    pos = {v: i for i, v in enumerate(g.invars)}
+    ties: dict[int, int] = {}
+    pairs = _pairs(lg)
+    for k, j in pairs.items():
+        ties[k] = pos[lg.act_vars[j]]
+    n_out = len(lg.spec.out_acts)
+    for i, v in enumerate(lg.param_vars):
+        ties[n_out + i] = pos[v]
+    for j, v in enumerate(lg.act_grad_vars):
+        if v is not None:
+            ties[g.outvars.index(v, n_out)] = pos[lg.act_vars[j]]
+    tie_vars = []
+    for k, ct in enumerate(lg.ct_vars):
+        if ct is not None:
+            tie_vars.append((lg.act_vars[pairs[k]] if k in pairs else lg.out_vars[k], ct))
+    return ties, tie_vars
+
+
+def per_device_bytes(lg: LayerGraph, specs: dict[int, DimSharding], mesh_shape: tuple[int, int], v: int) -> float:
+    spec = specs.get(v)
+    return lg.graph.vars[v].nbytes / (shard_factor(spec, mesh_shape) if spec else 1)
+
+
+def roofline_device_s(lg: LayerGraph, device: Any) -> float:
+    """Seconds one device would spend on the layer's live ops at peak speed (FLOPs at the
+    fastest peak of the op's dtypes, or bytes at full memory bandwidth). Divided by a
+    mesh's device count it bounds the ILP objective from below: the ILP charges every op
+    at least its FLOPs and bytes split evenly over the mesh."""
+    g = lg.graph
+    total = 0.0
+    for i in live_ops(g):
+        op = g.ops[i]
+        if op.name in IDENTITY_PRIMITIVES:
+            continue
+        vs = [v for v in (*op.inputs, *op.outputs) if v not in g.literals]
+        peak = max((device.peak_flops_for(g.vars[v].dtype) for v in vs), default=device.peak_flops_for("float32"))
+        total += max(op.flops / peak, device.memory_s(sum(g.vars[v].nbytes for v in vs)))
+    return total
+
+
+PARAM_MODES = ("fast", "sharded")
+
+
+def most_sharded(shape: tuple[int, ...], mesh_shape: tuple[int, int]) -> list[DimSharding]:
+    """The layouts of a tensor that cut it into the most pieces on the mesh."""
+    layouts = all_layouts(shape, mesh_shape)
+    top = max(shard_factor(l, mesh_shape) for l in layouts)
+    return [l for l in layouts if shard_factor(l, mesh_shape) == top]
+
+
+def solve_layer(lg: LayerGraph, mesh: LogicalMesh, *, params: str = "fast", time_limit_s: float = 30.0,
+                solver: str = "highs") -> LayerCost:
+    """The layer's ILP on `mesh` (no memory bound: the stage DP checks memory).
+    params="sharded" restricts every parameter to its most sharded layouts (ZeRO-3 or
+    tensor parallel, as the ILP prefers): the least parameter memory at the best time."""
+    ties, tie_vars = layer_ties(lg)
+    allowed = {v: most_sharded(lg.graph.vars[v].shape, mesh.shape) for v in lg.param_vars} if params == "sharded" else None
+    plan = plan_sharding(lg.graph, mesh, tie_outputs=ties, tie_vars=tie_vars, allowed_specs=allowed,
+                         time_limit_s=time_limit_s, solver=solver)
+    return layer_cost(lg, mesh, plan)
+
+
+def layer_cost(lg: LayerGraph, mesh: LogicalMesh, plan: ShardingPlan) -> LayerCost:
+    """Per-device costs of a layer under given layouts."""
+    g, ms, specs = lg.graph, mesh.shape, plan.var_specs
+    size = lambda v: per_device_bytes(lg, specs, ms, v)
+    residual = set(lg.residuals)
+    keep = materialized(g, residual)
+    outs = set(g.outvars)
+    nf = lg.num_forward_ops
+    # the forward's residuals leave it (counted per micro-batch in flight); its activation
+    # outputs and the backward's gradients are working memory until the next layer takes
+    # them or they are added into the accumulators
+    fwd_peak = liveness_peak(g, range(nf), size, live_out=residual | outs,
+                             count=lambda v: v in keep and v not in residual)
+    bwd_peak = liveness_peak(g, range(nf, len(g.ops)), size, live_out=outs, count=lambda v: v in keep)
+    fwd_s = sum(_op_time(plan, i) for i in range(nf))
+    return LayerCost(ms, plan, plan.objective_s, min(fwd_s, plan.objective_s),
+                     sum(size(v) for v in residual), tuple(size(v) for v in lg.param_vars),
+                     fwd_peak, bwd_peak)
+
+
+def _op_time(plan: ShardingPlan, index: int) -> float:
+    return plan.op_time_s.get(index, 0.0)
+
+
+class LayerSolver:
+    """Layer ILP solutions cached by layer content and logical mesh (identical layers on
+    the same mesh are one solve), and their roofline bounds. Lives as long as one
+    planning run."""
+
+    def __init__(self, time_limit_s: float = 30.0, solver: str = "highs"):
+        self.time_limit_s, self.solver = time_limit_s, solver
+        self._solved: dict[tuple[str, Any], LayerCost] = {}
+        self._roofline: dict[tuple[str, Any], float] = {}
+        self.solves = 0
+
+    def __call__(self, lg: LayerGraph, mesh: LogicalMesh, params: str = "fast") -> LayerCost:
+        key = (lg.key, mesh, params)
+        if key not in self._solved:
+            self.solves += 1
+            try:
+                self._solved[key] = solve_layer(lg, mesh, params=params, time_limit_s=self.time_limit_s,
+                                                solver=self.solver)
+            except MemoryBudgetError:
+                raise AssertionError("layer ILPs have no memory bound") from None
+        return self._solved[key]
+
+    def lower_bound(self, lg: LayerGraph, mesh: LogicalMesh) -> float:
+        """A lower bound of the layer's ILP objective on `mesh` (no solve)."""
+        key = (lg.key, mesh.device)
+        if key not in self._roofline:
+            self._roofline[key] = roofline_device_s(lg, mesh.device)
+        return self._roofline[key] / mesh.num_devices

@@ -1,0 +1,78 @@
+"""A tiny GPT (pure JAX, tied embedding) and its train step for the pipeline tests; the loss closes over the batch in `make_step(closure=True)`."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from autopar.boundary import mark_stage_boundary
+from autopar.pipeline.grad import value_and_grad
+
+D, SEQ, VOCAB, HEADS, LAYERS = 32, 8, 64, 2, 4
+
+
+def init_params(key, layers=LAYERS):
+    keys = jax.random.split(key, 2 + layers)
+    n = lambda k, shape: 0.1 * jax.random.normal(k, shape, jnp.float32)
+    blocks = []
+    for i in range(layers):
+        k = jax.random.split(keys[2 + i], 4)
+        blocks.append({"ln1": jnp.ones(D), "qkv": n(k[0], (D, 3 * D)), "proj": n(k[1], (D, D)),
+                       "ln2": jnp.ones(D), "fc1": n(k[2], (D, 4 * D)), "fc2": n(k[3], (4 * D, D))})
+    return {"embed": n(keys[0], (VOCAB, D)), "pos": n(keys[1], (SEQ, D)), "blocks": blocks,
+            "ln_f": jnp.ones(D)}
+
+
+def _ln(x, g):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return g * (x - mu) / jnp.sqrt(var + 1e-5)
+
+
+def _block(p, x):
+    b, t, _ = x.shape
+    h = _ln(x, p["ln1"]) @ p["qkv"]
+    q, k, v = jnp.split(h.reshape(b, t, 3, HEADS, D // HEADS), 3, axis=2)
+    q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+    att = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(D // HEADS)
+    att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
+    y = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(att, -1), v).reshape(b, t, D)
+    x = x + y @ p["proj"]
+    return x + jax.nn.gelu(_ln(x, p["ln2"]) @ p["fc1"]) @ p["fc2"]
+
+
+def loss_fn(params, batch, markers=False):
+    tokens, targets = batch["tokens"], batch["targets"]
+    x = params["embed"][tokens] + params["pos"]
+    for p in params["blocks"]:
+        x = _block(p, x)
+        if markers:
+            x = mark_stage_boundary(x)
+    logits = _ln(x, params["ln_f"]) @ params["embed"].T     # tied embedding
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.take_along_axis(logp, targets[..., None], -1).mean()
+
+
+def make_batch(key, batch_size):
+    k1, k2 = jax.random.split(key)
+    return {"tokens": jax.random.randint(k1, (batch_size, SEQ), 0, VOCAB),
+            "targets": jax.random.randint(k2, (batch_size, SEQ), 0, VOCAB)}
+
+
+def make_step(optimizer, markers=False, closure=False):
+    """step(state, batch); with `closure` the loss closes over the batch
+    (`value_and_grad(lambda p: loss(p, batch))`, the most common way to write it)."""
+    def step(state, batch):
+        params, opt_state = state
+        if closure:
+            loss, grads = value_and_grad(lambda p: loss_fn(p, batch, markers))(params)
+        else:
+            loss, grads = value_and_grad(lambda p, b: loss_fn(p, b, markers))(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+    return step
+
+
+def init_state(optimizer, key=jax.random.PRNGKey(0)):
+    params = init_params(key)
+    return params, optimizer.init(params)

@@ -1,0 +1,212 @@
+"""The joint pipeline planner's parts against independent references: the lazy stage DP
+against the DP on fully priced costs, the choice of micro-batches against brute force,
+roofline bounds against the ILP, layers found from repeated blocks, the layer train
+graph against jax.vjp, and stage costs composed from their layers."""
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from autopar.cluster import Cluster
+from autopar.pipeline.layer_cost import LayerSolver, per_device_bytes, solve_layer
+from autopar.pipeline.layer_graph import trace_layer
+from autopar.pipeline.layers import cut_layers, repeat_cuts
+from autopar.pipeline.planner import choose_best, optimizer_state_factor
+from autopar.pipeline.stage import compose, stage_layers
+from autopar.pipeline.stage_dp import lazy_stage_dp, stage_dp
+from autopar.pipeline.trace import StepTracer
+from autopar.resharding import reshard_cost
+from pipeline_gpt import LAYERS, init_state, make_batch, make_step
+from rockmate.graph.evaluate import eval_ops
+from test_pipeline_stage_dp import random_instance
+
+
+def _lazy_instance(rng):
+    """Random exact stage costs, and lower bounds of them (time and memory scaled down)."""
+    time, it, mem, limit, sizes, N, B = random_instance(rng)
+    nprng = np.random.default_rng(rng.randint(0, 10**6))
+    shrink = nprng.uniform(0.3, 1.0, time.shape[:3])[..., None].repeat(time.shape[3], -1)
+    return (time, it, mem), (time * shrink, it * 0, mem * shrink), limit, sizes, N, B
+
+
+def test_lazy_stage_dp_equals_the_dp_on_fully_priced_costs():
+    """Pricing only what the DP's solution uses, until it uses nothing unpriced, gives the
+    optimum of the fully priced problem, and usually prices a fraction of the candidates."""
+    rng = random.Random(11)
+    checked, priced_fraction = 0, []
+    for _ in range(120):
+        exact, bound, limit, sizes, N, B = _lazy_instance(rng)
+        try:
+            want = stage_dp(exact[0], sizes, N, B, iteration_s=exact[1], memory_bytes=exact[2],
+                            memory_limit_bytes=limit).latency_s
+        except ValueError:
+            continue
+        cur = [x.copy() for x in bound]
+        priced = set()
+
+        def price(st, s):
+            key = (st.start, st.end - 1, st.submesh)
+            priced.add(key)
+            for a, b in zip(cur, exact):
+                a[key] = b[key]
+
+        got = lazy_stage_dp(lambda: cur, lambda st, s: (st.start, st.end - 1, st.submesh) in priced, price,
+                            sizes, N, B, memory_limit_bytes=limit)
+        assert got.latency_s == pytest.approx(want, rel=1e-9)
+        L, _, M, _ = exact[0].shape
+        priced_fraction.append(len(priced) / (L * (L + 1) / 2 * M))
+        checked += 1
+    assert checked > 40
+    assert np.mean(priced_fraction) < 0.8
+
+
+def test_choice_of_micro_batches_equals_brute_force():
+    """choose_best over B (lower bounds from cheap tensors, exact latencies from the lazy
+    DP) picks the B a brute force over every B and the fully priced DP picks."""
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(40):
+        L = rng.randint(1, 4)
+        instances = {}
+        for B in (1, 2, 4, 8):
+            while True:
+                exact, bound, limit, sizes, N, _ = _lazy_instance(rng)
+                if exact[0].shape[0] == L:
+                    break
+            # per micro-batch time shrinks with the micro-batch; memory of activations too
+            exact = (exact[0] / B, exact[1], exact[2] / B)
+            bound = (bound[0] / B, bound[1], bound[2] / B)
+            instances[B] = (exact, bound, limit, sizes, N)
+
+        def full(B):
+            (t, it, mem), _, limit, sizes, N = instances[B]
+            return stage_dp(t, sizes, N, B, iteration_s=it, memory_bytes=mem, memory_limit_bytes=limit).latency_s
+
+        def lower(B):
+            _, (t, it, mem), limit, sizes, N = instances[B]
+            return stage_dp(t, sizes, N, B, iteration_s=it, memory_bytes=mem, memory_limit_bytes=limit).latency_s
+
+        brute = {}
+        for B in instances:
+            try:
+                brute[B] = full(B)
+            except ValueError:
+                pass
+        if not brute:
+            with pytest.raises(ValueError):
+                choose_best(list(instances), lower, full)
+            continue
+        got, latency, priced = choose_best(list(instances), lower, full)
+        want = min(brute, key=lambda b: (brute[b], b))
+        assert latency == pytest.approx(brute[want], rel=1e-12)
+        assert brute[got] == pytest.approx(brute[want], rel=1e-12)
+        checked += 1
+    assert checked > 20
+
+
+@pytest.fixture(scope="module")
+def traced():
+    opt = optax.adamw(1e-2)
+    state, batch = init_state(opt), make_batch(jax.random.PRNGKey(0), 8)
+    return StepTracer(make_step(opt, closure=True), (state, batch)).at(2), state, batch
+
+
+def test_layers_follow_the_repeated_blocks(traced):
+    """The four transformer blocks become layers with one content key; the embedding and
+    the head are layers of their own."""
+    t, _, _ = traced
+    cuts = repeat_cuts(t.loss)
+    layers = cut_layers(t.loss, cuts, t.diff_mask)
+    graphs = [trace_layer(t.loss, spec) for spec in layers]
+    keys = [lg.key for lg in graphs]
+    assert len(layers) == LAYERS + 2 or len(layers) == LAYERS + 1
+    assert len(set(keys[1:LAYERS])) == 1 and keys[0] != keys[1] and keys[-1] != keys[1]
+    assert sum(len(l.param_inputs) for l in layers) >= sum(t.diff_mask)   # the tied embedding: read twice
+
+
+def test_layer_train_graph_equals_jax_vjp(traced):
+    """The layer's forward ops, then its backward ops on the residuals alone, give jax.vjp's
+    outputs and gradients."""
+    t, state, batch = traced
+    layers = cut_layers(t.loss, repeat_cuts(t.loss), t.diff_mask)
+    lg = trace_layer(t.loss, layers[1])
+    g = lg.graph
+    rng = np.random.default_rng(0)
+    args = [jnp.asarray(rng.normal(size=g.vars[v].shape), g.vars[v].abstract().dtype) for v in g.invars]
+    env = dict(zip(g.invars, args))
+    eval_ops(g, range(lg.num_forward_ops), env)
+    outs = [env[v] for v in lg.out_vars]
+    kept = {v: env[v] for v in lg.residuals}
+    kept.update({v: env[v] for v in lg.backward_reads_params})
+    kept.update({v: env[v] for v in lg.ct_vars if v is not None})
+    eval_ops(g, range(lg.num_forward_ops, len(g.ops)), kept)      # the backward sees only these
+    grads = [kept[v] if v in kept else env[v] for v in g.outvars[len(lg.out_vars):]]
+
+    from autopar.pipeline.layer_graph import layer_forward
+    fwd = layer_forward(t.loss, lg.spec)
+    n_p = len(lg.spec.param_inputs)
+    params, acts = args[:n_p], args[n_p:n_p + len(lg.spec.in_acts)]
+
+    def f(p, a):
+        env2 = fwd(p, (), a)
+        return tuple(env2[v] for v in lg.spec.out_acts)
+
+    ref_out, vjp = jax.vjp(f, tuple(params), tuple(acts))
+    ref_gp, ref_ga = vjp(tuple(args[-len(lg.spec.out_acts):]))
+    for a, b in zip(outs, ref_out):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, (*ref_gp, *ref_ga)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_roofline_bound_is_below_the_ilp_on_every_mesh(traced):
+    t, _, _ = traced
+    layers = cut_layers(t.loss, repeat_cuts(t.loss), t.diff_mask)
+    cluster = Cluster.parse("2x4:a100-80g")
+    solver = LayerSolver()
+    for spec in (layers[0], layers[1], layers[-1]):
+        lg = trace_layer(t.loss, spec)
+        for shape in [(1, 1), (1, 4), (2, 2), (2, 4), (8, 1)]:
+            mesh = cluster.logical_mesh(shape)
+            assert solver.lower_bound(lg, mesh) <= solver(lg, mesh).time_s * (1 + 1e-9)
+
+
+def test_stage_cost_is_its_layers_plus_the_reshards_between_them(traced):
+    """A stage's time is its layers' ILP objectives plus, where one layer hands an
+    activation on in another layout than the next takes it, that reshard (both ways)."""
+    t, _, _ = traced
+    layers = cut_layers(t.loss, repeat_cuts(t.loss), t.diff_mask)
+    graphs = [trace_layer(t.loss, spec) for spec in layers]
+    mesh = Cluster.parse("1x4:a100-80g").logical_mesh((2, 2))
+    costs = [solve_layer(lg, mesh) for lg in graphs[:3]]
+    stage = stage_layers(graphs[:3], graphs)
+    got = compose(stage, costs, mesh, state_bytes_per_param_byte=2.0, send_s_per_byte=0.0)
+    want = sum(c.time_s for c in costs)
+    for a, (lg, c) in enumerate(zip(graphs[1:3], costs[1:3]), 1):
+        src_lg, src_c = graphs[a - 1], costs[a - 1]
+        for j, v in enumerate(lg.spec.in_acts):
+            if v in src_lg.spec.out_acts:
+                k = src_lg.spec.out_acts.index(v)
+                have, want_spec = src_c.out_specs[k], c.var_specs[lg.act_vars[j]]
+                want += reshard_cost(have, want_spec, lg.graph.vars[lg.act_vars[j]], mesh)[0]
+                want += reshard_cost(want_spec, src_c.var_specs[src_lg.ct_vars[k]],
+                                     lg.graph.vars[lg.act_vars[j]], mesh)[0]
+    shared = {}
+    for lg, c in zip(graphs[:3], costs):       # the tied embedding is read by one of these only
+        for i, v in zip(lg.spec.param_inputs, lg.param_vars):
+            shared.setdefault(i, []).append(c.var_specs[v])
+    assert all(len(x) == 1 for x in shared.values())
+    assert got.micro_batch_s == pytest.approx(want, rel=1e-12)
+    assert got.activation_bytes == pytest.approx(sum(c.residual_bytes for c in costs))
+    params = sum(per_device_bytes(lg, c.var_specs, mesh.shape, v)
+                 for lg, c in zip(graphs[:3], costs) for v in lg.param_vars)
+    assert got.weight_bytes == pytest.approx(params * (1 + 2.0 + 1))   # params, adam moments, accumulators
+
+
+def test_optimizer_state_is_counted_per_parameter_byte():
+    for opt, want in ((optax.sgd(0.1), 0.0), (optax.adamw(1e-3), 2.0)):
+        state, batch = init_state(opt), make_batch(jax.random.PRNGKey(0), 4)
+        assert optimizer_state_factor(StepTracer(make_step(opt), (state, batch))) == pytest.approx(want, rel=1e-6)
