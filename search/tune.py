@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -12,7 +13,9 @@ import numpy as np
 from .backend import CBackend, call_kernel
 from .buffers import aligned_empty
 from .evolution import EvolutionarySearch, RandomSearch, SearchPolicy
+from .database import SkippedRecordsWarning
 from .measure import MeasureOptions, ProgramMeasurer, best_run_s
+from .mutation import checked_program
 from .record import TuningRecord
 from .schedule import Step, replay
 from .task import Task
@@ -62,6 +65,17 @@ def open_db(db: Any):
     return db, False
 
 
+def replayable(task: Task, records: list[TuningRecord]) -> list[TuningRecord]:
+    """`records` of `task` without the successful ones whose schedule does not lower on it (a
+    hand-edited file, another version's records): as search elites they would crash it."""
+    usable = [r for r in records if not r.ok or checked_program(task.dag, r.schedule) is not None]
+    if len(usable) < len(records):
+        warnings.warn(SkippedRecordsWarning(
+            f"left out {len(records) - len(usable)} stored records of {task} whose schedule does "
+            "not apply to it; `autopar db remove KEY` deletes a workload's records"), stacklevel=3)
+    return usable
+
+
 def make_policy(name: str, task: Task, seed: int = 0, **kw) -> SearchPolicy:
     if name == "evolutionary":
         return EvolutionarySearch(task, seed=seed, **kw)
@@ -95,7 +109,7 @@ def tune(task: Task, target: str = "cpu", trials: int = 64, db: Any = None, poli
         if transfer and hasattr(pol, "learn_from"):
             pol.learn_from(database.records(target_key=measurer.target_key))
         if warm_start:
-            old = [r for r in database.records(task.workload_key, measurer.target_key)]
+            old = replayable(task, database.records(task.workload_key, measurer.target_key))
             if old:
                 pol.update([r.schedule for r in old], old)
         while len(records) < trials:
@@ -167,7 +181,7 @@ def best_schedule(task: Task, db: Any = None, target: str = "cpu") -> list[Step]
     _check_target(target)
     database, owned = open_db(db)
     try:
-        recs = [r for r in database.records(task.workload_key, CBackend().target_key()) if r.ok]
+        recs = [r for r in replayable(task, database.records(task.workload_key, CBackend().target_key())) if r.ok]
     finally:
         if owned:
             database.close()

@@ -1,0 +1,279 @@
+"""What the tuning side of autopar refuses, and why: damaged tuning databases, records that
+fail validation, bad `autopar tune` / `autopar db` arguments, a missing C compiler, and kernels
+that try to fool the measuring runner. Each refusal names the problem and the fix."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sqlite3
+import warnings
+
+import pytest
+
+from autopar.commands import db as db_command
+from search.database import (
+    APPLICATION_ID, SCHEMA_VERSION, SkippedRecordsWarning, TuningDB, TuningDBError,
+)
+from search.record import TuningRecord
+
+STEP = {"kind": "split", "stage": "C", "iter": "i", "factors": [8, 8]}
+
+
+def record(workload: str = "w", latencies=(1e-3,), schedule=(STEP,), **kw) -> TuningRecord:
+    return TuningRecord(
+        workload_key=workload, task={"flops": 1e6}, target_key="cpu-t", target={"cpu": "t"},
+        schedule=list(schedule), latencies_s=tuple(latencies), timestamp=kw.pop("timestamp", 1.7e9),
+        library_version="0.1.0", **kw,
+    )
+
+
+def numbered(n: int, seed: int = 0) -> list[TuningRecord]:
+    rng = random.Random(seed)
+    return [record(f"w{rng.randrange(4)}", [rng.uniform(1e-4, 1e-2)],
+                   [{"kind": "pragma", "stage": "C", "auto_unroll_max_step": i}]) for i in range(n)]
+
+
+def db_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="autopar db")
+    db_command.add_arguments(parser)
+    return db_command.run(parser.parse_args(list(argv)))
+
+
+def checkpointed(path, records) -> int:
+    """Write `records` into a new database at `path`, folded into the main file; its size."""
+    with TuningDB(path) as db:
+        for r in records:
+            db.add(r)
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    return path.stat().st_size
+
+
+def raw_insert_takes_duplicate(path) -> bool:
+    """Whether plain SQLite, on a copy of `path`, stores a second copy of a stored record."""
+    copy = path.with_name("copy.db")
+    shutil.copyfile(path, copy)
+    conn = sqlite3.connect(copy)
+    try:
+        row = conn.execute("SELECT * FROM records ORDER BY id DESC LIMIT 1").fetchone()
+        before = conn.execute("SELECT COUNT(*) FROM records").fetchone()[0]
+        conn.execute(f"INSERT OR IGNORE INTO records VALUES (NULL{', ?' * (len(row) - 1)})", row[1:])
+        conn.commit()
+        return conn.execute("SELECT COUNT(*) FROM records").fetchone()[0] > before
+    except sqlite3.DatabaseError:
+        return False
+    finally:
+        conn.close()
+        copy.unlink()
+
+
+# ---- damaged databases: refused, never written ---------------------------------------------
+
+
+def test_db_truncated_inside_its_last_page_is_refused_untouched(tmp_path, capsys):
+    path = tmp_path / "tuning.db"
+    for n in range(200, 1200, 20):  # until an index page is last: cut inside it, plain
+        path.unlink(missing_ok=True)  # SQLite then takes an exact duplicate (220 records do)
+        size = checkpointed(path, numbered(n))
+        with open(path, "r+b") as f:
+            f.truncate(size - 2000)
+        if raw_insert_takes_duplicate(path):
+            break
+    else:
+        pytest.fail("no database size put an index page last")
+    before = path.read_bytes()
+    with pytest.raises(TuningDBError) as info:
+        TuningDB(path)
+    message = str(info.value)
+    assert str(path) in message and "file size check failed" in message
+    assert "backup" in message and "--salvage" in message and f"mv '{path}'" in message
+    assert path.read_bytes() == before
+    # the CLI says so in one line, exit code 2, and writes nothing either
+    assert db_cli("import", str(tmp_path / "none.jsonl"), "--db", str(path)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "damaged" in err
+    assert path.read_bytes() == before
+
+
+def test_db_with_a_zeroed_page_fails_the_integrity_check(tmp_path):
+    path = tmp_path / "tuning.db"
+    size = checkpointed(path, numbered(200))
+    with open(path, "r+b") as f:  # same size, last page wiped
+        f.seek(size - 4096)
+        f.write(bytes(4096))
+    before = path.read_bytes()
+    with pytest.raises(TuningDBError, match="integrity check failed") as info:
+        TuningDB(path)
+    assert str(path) in str(info.value)
+    assert path.read_bytes() == before
+
+
+def test_db_without_a_unique_digest_is_refused(tmp_path):
+    """Duplicates are kept out by the unique index on each record's digest; a file of ours
+    without it (made by hand, or by a broken tool) is refused rather than written."""
+    path = tmp_path / "tuning.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE records (id INTEGER PRIMARY KEY, digest TEXT)")
+    conn.execute("CREATE TABLE profiles (kind TEXT, key TEXT)")
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    conn.commit()
+    conn.close()
+    with pytest.raises(TuningDBError, match="unique index on digest"):
+        TuningDB(path)
+
+
+def test_equal_records_are_stored_once_however_they_are_spelled(tmp_path):
+    a = record(latencies=(1, 2), timestamp=1_700_000_000)
+    b = record(latencies=[1.0, 2.0], schedule=[dict(STEP)], timestamp=1.7e9)
+    with TuningDB(tmp_path / "t.db") as db:
+        assert db.add_many([a, b, a]) == 1
+        db.add(b)
+        assert len(db) == 1
+
+
+def test_salvage_exports_what_a_damaged_db_still_holds(tmp_path, capsys):
+    path, out = tmp_path / "tuning.db", tmp_path / "saved.jsonl"
+    records = numbered(500)
+    size = checkpointed(path, records)
+    with open(path, "r+b") as f:  # lose the last five pages
+        f.truncate(size - 5 * 4096)
+    before = path.read_bytes()
+    assert db_cli("export", "--salvage", str(out), "--db", str(path)) == 0
+    assert path.read_bytes() == before
+    saved = [TuningRecord.from_json(line) for line in out.read_text().splitlines()]
+    assert 0 < len(saved) < len(records)
+    assert all(r in records for r in saved)  # what comes out is real records, in order
+    assert saved == [r for r in records if r in saved]
+    with TuningDB(path, salvage=True) as db, pytest.raises(TuningDBError, match="read-only"):
+        db.add(record("new"))
+    assert db_cli("import", str(out), "--db", str(tmp_path / "new.db")) == 0
+    assert f"imported {len(saved)} new records" in capsys.readouterr().out
+
+
+# ---- records that fail validation: skipped on import, never returned ---------------------
+
+
+def _line(r: TuningRecord, **changes) -> str:
+    return json.dumps({**json.loads(r.to_json()), **changes})
+
+
+INVALID = [  # (change to a good record, problem named)
+    ({"schedule": [{"kind": "tile_v2", "stage": "C"}]}, "unknown step kind 'tile_v2'"),
+    ({"schedule": [1, "x", None]}, "a step must be a JSON object"),
+    ({"schedule": [{"kind": "split", "stage": "C", "iter": "i"}]}, "lacks field 'factors'"),
+    ({"schedule": [{"kind": "annotate", "stage": "C", "iter": "i", "ann": "fast"}]}, "field 'ann'"),
+    ({"latencies_s": [0.0]}, "positive finite seconds"),
+    ({"latencies_s": [-1e-3, 1e-3]}, "positive finite seconds"),
+]
+
+
+def test_import_skips_invalid_records_and_says_which_and_why(tmp_path, capsys):
+    good = record("mm", latencies=(2e-3,))
+    lines = [_line(good)] + [_line(good, **change) for change, _ in INVALID]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    with TuningDB(tmp_path / "t.db") as db:
+        report = db.import_jsonl(src)
+        assert report.added == 1 and report.duplicates == 0
+        assert [n for n, _ in report.invalid] == list(range(2, 2 + len(INVALID)))
+        for (_, problem), (_, named) in zip(report.invalid, INVALID):
+            assert named in problem
+        assert db.best("mm") == good and len(db) == 1
+    assert db_cli("import", str(src), "--db", str(tmp_path / "u.db")) == 0
+    out, err = capsys.readouterr()
+    assert "imported 1 new records" in out
+    assert f"skipped {len(INVALID)} invalid records" in err and "unknown step kind 'tile_v2'" in err
+
+
+@pytest.mark.parametrize("change, named", INVALID)
+def test_add_refuses_an_invalid_record(tmp_path, change, named):
+    bad = TuningRecord.from_json(_line(record(), **change))
+    with TuningDB(tmp_path / "t.db") as db:
+        with pytest.raises(ValueError, match="not stored") as info:
+            db.add(bad)
+        assert named in str(info.value) and len(db) == 0
+
+
+def _store_unchecked(path, records: list[TuningRecord]) -> None:
+    """Write rows the way an older autopar did, without validation."""
+    conn = sqlite3.connect(path)
+    for r in records:
+        conn.execute(
+            "INSERT INTO records (digest, workload_key, target_key, latency_s, task_json, "
+            "target_json, schedule_json, latencies_json, error, timestamp, tuning_time_s, "
+            "library_version, extra_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, 0, 0, '', '{}')",
+            (os.urandom(8).hex(), r.workload_key, r.target_key, r.latency_s, json.dumps(r.task),
+             json.dumps(r.target), json.dumps(r.schedule), json.dumps(list(r.latencies_s))),
+        )
+    conn.commit()
+    conn.close()
+
+
+def test_stored_invalid_records_are_never_returned(tmp_path, capsys):
+    path = tmp_path / "t.db"
+    good = record("mm", latencies=(5e-3,))
+    with TuningDB(path) as db:
+        db.add(good)
+    bad = [TuningRecord.from_json(_line(good, **change)) for change, _ in INVALID]
+    _store_unchecked(path, bad)  # all but one are "faster" than the good record
+    with TuningDB(path) as db:
+        with pytest.warns(SkippedRecordsWarning, match="left out 2 invalid records .*positive"):
+            assert db.best("mm") == good  # the two with bad latencies were "faster"
+        with pytest.warns(SkippedRecordsWarning, match=f"left out {len(INVALID) - 2} invalid"):
+            assert db.records() == [good]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # each skipped record is reported once
+            assert db.best("mm") == good
+            assert db.workloads() == [("mm", 1 + len(INVALID), 5e-3)]  # stored, best valid
+            assert db.export_jsonl(tmp_path / "out.jsonl") == 1
+        assert sorted(db.skipped) == list(range(2, 2 + len(INVALID)))
+        assert len(db) == 1 + len(INVALID)
+    assert db_cli("list", "--db", str(path)) == 0
+    err = capsys.readouterr().err
+    assert "left out 2 invalid records" in err and "db remove --invalid" in err
+
+
+def test_db_remove_counts_first_then_deletes(tmp_path, capsys):
+    path = tmp_path / "t.db"
+    with TuningDB(path) as db:
+        db.add_many([record("mm", latencies=(5e-3,)), record("sm", latencies=(1e-3,))])
+    _store_unchecked(path, [TuningRecord.from_json(_line(record("mm"), **c)) for c, _ in INVALID[:3]])
+    assert db_cli("remove", "--invalid", "--dry-run", "--db", str(path)) == 0
+    out = capsys.readouterr().out
+    assert "would remove 3 invalid records" in out and "nothing was deleted" in out
+    with TuningDB(path) as db:
+        assert len(db) == 5
+    assert db_cli("remove", "--invalid", "--db", str(path)) == 0
+    assert "removed 3 invalid records" in capsys.readouterr().out
+    assert db_cli("remove", "sm", "--db", str(path)) == 0
+    assert "removed 1 records of sm" in capsys.readouterr().out
+    with TuningDB(path) as db:
+        assert [r.workload_key for r in db.records()] == ["mm"] and len(db) == 1
+    assert db_cli("remove", "m", "--db", str(path)) == 1  # no prefixes: exact keys only
+    assert "no records of workload 'm'" in capsys.readouterr().err
+    assert db_cli("remove", "--db", str(path)) == 2
+    assert "name a workload KEY, or pass --invalid" in capsys.readouterr().err
+
+
+def test_tune_survives_stored_records_it_cannot_use(tmp_path):
+    """Invalid records, and valid-looking ones whose schedule does not apply to the task,
+    were search elites and crashed every later tuning of that workload."""
+    from search import Task, tune
+
+    task, path = Task.softmax(4, 16), tmp_path / "t.db"
+    first = tune(task, trials=4, batch_size=4, db=str(path), transfer=False)
+    good = first.records[0]
+    steps = [{"kind": "tile_v2", "stage": "out"}], [1, "x", None], \
+        [{"kind": "split", "stage": "no_such_stage", "iter": "i", "factors": [2]}]
+    _store_unchecked(path, [TuningRecord.from_json(_line(good, schedule=s, latencies_s=[1e-9]))
+                            for s in steps])
+    with pytest.warns(SkippedRecordsWarning) as caught:
+        again = tune(task, trials=4, batch_size=4, db=str(path), transfer=False)
+    assert again.best_schedule is not None and again.best_latency_s > 1e-9
+    said = " ".join(str(w.message) for w in caught)
+    assert "left out 2 invalid records" in said and "left out 1 stored records" in said
