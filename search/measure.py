@@ -41,66 +41,102 @@ def best_run_s(record: TuningRecord) -> float:
 
 
 class Runner:
-    """A persistent runner process for one task; restarted after a crash or a timeout."""
+    """A persistent runner process for one task, spoken to over two private pipes (see
+    `search.runner_process`); restarted after a crash, a timeout or a reply it did not ask for."""
 
     def __init__(self, task: Task, opts: MeasureOptions):
         self.task, self.opts = task, opts
         self.proc: subprocess.Popen | None = None
+        self._requests: int | None = None  # pipe fd: parent -> runner
+        self._replies: int | None = None   # pipe fd: runner -> parent
+        self._pending = b""                # reply bytes read past the last newline
+        self._last_id = 0
 
     def _start(self) -> None:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         if self.opts.num_threads:
             env["OMP_NUM_THREADS"] = str(self.opts.num_threads)
-        self.proc = subprocess.Popen([sys.executable, "-m", "search.runner_process"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
-        self.proc.stdin.write(json.dumps({"task": self.task.to_dict(), "options": asdict(self.opts)}) + "\n")
-        self.proc.stdin.flush()
+        child_reads, self._requests = os.pipe()
+        self._replies, child_writes = os.pipe()
+        try:
+            # Its own session: a Ctrl-C in the terminal reaches this process only, which then
+            # stops the runner; stdout goes nowhere, as kernels may print to it.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "search.runner_process", str(child_reads), str(child_writes)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
+                pass_fds=(child_reads, child_writes), start_new_session=True)
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            os.close(child_reads)
+            os.close(child_writes)
+        self._pending, self._last_id = b"", 0
+        self._send({"task": self.task.to_dict(), "options": asdict(self.opts)})
         # building inputs and the float64 reference may take a while for big tasks
-        if self._reply(self.opts.run_timeout_s + 300.0) is None:
+        hello = self._reply(0, self.opts.run_timeout_s + 300.0)
+        if hello is None or not hello.get("ready"):
             self._stop()
             raise RuntimeError(f"runner process for {self.task} did not start")
 
-    def _reply(self, timeout_s: float) -> dict | None:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        if not ready:
-            return None
-        line = self.proc.stdout.readline()
-        return json.loads(line) if line else {"latencies_s": [], "error": "run error: kernel crashed the runner process"}
+    def _send(self, message: dict) -> None:
+        data = (json.dumps(message) + "\n").encode()
+        while data:
+            data = data[os.write(self._requests, data):]
+
+    def _reply(self, request_id: int, timeout_s: float) -> dict | None:
+        """The reply to `request_id`; None on a timeout; an error reply when the runner died or
+        something else arrived on the channel."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._replies], [], [], left)[0]:
+                return None
+            chunk = os.read(self._replies, 1 << 16)
+            if not chunk:
+                return {"id": request_id, "latencies_s": [], "error": "run error: kernel crashed the runner process"}
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict) or reply.get("id") != request_id:
+            return {"id": request_id, "latencies_s": [], "error": "run error: the runner answered "
+                    f"something other than request {request_id}: {line[:200]!r}", "restart": True}
+        return reply
 
     def _stop(self) -> None:
+        for fd in (self._requests, self._replies):
+            if fd is not None:
+                os.close(fd)
+        self._requests = self._replies = None
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
-            for f in (self.proc.stdin, self.proc.stdout):
-                f.close()
         self.proc = None
 
     def run(self, path: str) -> tuple[list[float], str | None]:
         if self.proc is None:
             self._start()
+        self._last_id += 1
         try:
-            self.proc.stdin.write(path + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
+            self._send({"id": self._last_id, "path": path})
+        except OSError:
             self._stop()
             return [], "run error: runner process died"
-        rep = self._reply(self.opts.run_timeout_s)
+        rep = self._reply(self._last_id, self.opts.run_timeout_s)
         if rep is None:
             self._stop()
             return [], f"run timeout after {self.opts.run_timeout_s:.0f} s"
-        if rep["error"] and "crashed" in rep["error"]:
+        if rep.get("restart") or (rep["error"] and "crashed" in rep["error"]):
             self._stop()
         return list(rep["latencies_s"]), rep["error"]
 
     def close(self) -> None:
-        if self.proc is not None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-            self._stop()
+        """Stop the runner process (it holds no state worth waiting for)."""
+        self._stop()
 
 
 class ProgramMeasurer:

@@ -277,3 +277,53 @@ def test_tune_survives_stored_records_it_cannot_use(tmp_path):
     assert again.best_schedule is not None and again.best_latency_s > 1e-9
     said = " ".join(str(w.message) for w in caught)
     assert "left out 2 invalid records" in said and "left out 1 stored records" in said
+
+
+# ---- kernels that try to fool the measuring runner -------------------------------------
+
+MATMUL = """
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+static int calls = 0;
+void kernel(const float* A, const float* B, float* C) {
+    %s
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 8; j++) {
+            float s = 0;
+            for (int k = 0; k < 8; k++) s += A[i * 8 + k] * B[k * 8 + j];
+            C[i * 8 + j] = s;
+        }
+}
+"""
+FAKE = '{"id": 1, "ready": true, "latencies_s": [1e-12], "error": null}\n'
+TRICKS = {
+    "honest": "",
+    "prints a fake reply": f'printf("%s", {json.dumps(FAKE)}); fflush(stdout);',
+    "writes a fake reply to every fd": f'for (int fd = 0; fd < 64; fd++) write(fd, {json.dumps(FAKE)}, {len(FAKE)});',
+    "is right only once": "if (calls++ > 0) return;",
+}
+
+
+def test_runner_is_not_fooled_by_what_kernels_print_or_skip(tmp_path):
+    """The runner used to read replies from its stdout, which kernels share: a kernel that
+    printed a reply was recorded at 1e-12 s and every later reply landed on the wrong
+    schedule. It also checked only the first call, so a kernel right once was "fast"."""
+    from search.backend import CBackend
+    from search.measure import MeasureOptions, Runner
+    from search.task import Task
+
+    backend = CBackend(workdir=str(tmp_path))
+    sources = [MATMUL % code for code in TRICKS.values()]
+    paths = [b.path for b in backend.build(sources + [sources[0]])]
+    runner = Runner(Task.matmul(8, 8, 8), MeasureOptions(repeats=3, min_time_s=0.0))
+    try:
+        results = dict(zip(list(TRICKS) + ["honest again"], (runner.run(p) for p in paths)))
+    finally:
+        runner.close()
+    for name in ("honest", "prints a fake reply", "honest again"):
+        latencies, error = results[name]
+        assert error is None and len(latencies) >= 3 and min(latencies) > 1e-8, (name, results[name])
+    assert "answered something other than request" in results["writes a fake reply to every fd"][1]
+    assert "wrong result" in results["is right only once"][1]
+    assert "timed call 1" in results["is right only once"][1]
