@@ -665,14 +665,14 @@ def _first_readable(first_after: Any, last: int) -> int | None:
     return high
 
 
-def summarize_problems(problems: Iterable[str], shown: int = 3) -> str:
+def summarize_problems(problems: Iterable[str], noun: str = "invalid record", shown: int = 3) -> str:
     """'N invalid records (k: problem; ...)', the most common problems first."""
     counts = collections.Counter(problems)
     total = sum(counts.values())
     parts = [f"{n}: {problem}" for problem, n in counts.most_common(shown)]
     if len(counts) > shown:
         parts.append(f"{len(counts) - shown} other problems")
-    return f"{total} invalid record{'s' if total != 1 else ''} ({'; '.join(parts)})"
+    return f"{total} {noun}{'s' if total != 1 else ''} ({'; '.join(parts)})"
 
 
 def _parse_record_line(raw: bytes) -> TuningRecord:

@@ -3,13 +3,17 @@ the output against a float64 numpy reference and times it. Failures become error
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import numpy as np
 
 from .backend import CBackend
 from .record import TuningRecord
@@ -31,6 +35,43 @@ class MeasureOptions:
     build_timeout_s: float = 15.0
     run_timeout_s: float = 20.0
     num_threads: int | None = None    # OpenMP threads of the runner; None = all cores
+
+
+def measuring_bytes(task: Task) -> int:
+    """Bytes the runner holds to measure `task`: each input twice in the task's dtype (as made,
+    then page-aligned) and once in float64 for the reference, and the output in the task's
+    dtype and as the float64 reference (a lower bound: numpy's temporaries come on top)."""
+    item = np.dtype(task.dtype).itemsize
+    n_in = sum(math.prod(shape) for _, shape in task.input_shapes)
+    return n_in * (2 * item + 8) + math.prod(task.output_shape) * (item + 8)
+
+
+def available_memory_bytes() -> int:
+    """Memory the kernel says can be used without swapping (MemAvailable), else physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits_in_memory(task: Task, available_bytes: int | None = None) -> None:
+    """ValueError, with the bytes, when measuring `task` cannot fit in this machine's memory."""
+    need = measuring_bytes(task)
+    have = available_memory_bytes() if available_bytes is None else available_bytes
+    if need > have:
+        raise ValueError(
+            f"{task} is too large to measure here: its buffers need at least {_gib(need)} "
+            f"({task.dtype} inputs and output, plus float64 copies for checking results), and "
+            f"{_gib(have)} of memory is available. Tune a smaller shape (e.g. one device's shard)."
+        )
+
+
+def _gib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:,.1f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:,.1f} MiB"
 
 
 def best_run_s(record: TuningRecord) -> float:
@@ -152,6 +193,13 @@ class ProgramMeasurer:
         self.target_key = self.backend.target_key()
 
     def measure(self, schedules: list[list[Step]]) -> list[TuningRecord]:
+        """One record per schedule, in order."""
+        return list(self.measure_iter(schedules))
+
+    def measure_iter(self, schedules: list[list[Step]]) -> Iterator[TuningRecord]:
+        """Build all schedules, then yield each one's record as soon as it is measured (a caller
+        that stores them one by one keeps every measurement if the run is interrupted). A
+        record's tuning_time_s is its share of the build phase plus its own run."""
         t0 = time.perf_counter()
         sources: list[str | None] = []
         errors: list[str | None] = []
@@ -162,14 +210,14 @@ class ProgramMeasurer:
             except (ScheduleError, ValueError, KeyError) as e:
                 sources.append(None)
                 errors.append(f"invalid schedule: {e}")
-        built = self.backend.build([s for s in sources if s is not None], self.opts.build_timeout_s)
-        it = iter(built)
-        records = []
+        built = iter(self.backend.build([s for s in sources if s is not None], self.opts.build_timeout_s))
+        build_share_s = (time.perf_counter() - t0) / max(1, len(schedules))
         for steps, src, err in zip(schedules, sources, errors):
+            t1 = time.perf_counter()
             lat: list[float] = []
             extra: dict[str, Any] = {}
             if src is not None:
-                b = next(it)
+                b = next(built)
                 extra["build_time_s"] = b.build_time_s
                 if b.error:
                     err = b.error
@@ -180,12 +228,10 @@ class ProgramMeasurer:
                         os.remove(b.path[:-3] + ".c")
                     except OSError:
                         pass
-            records.append(TuningRecord(
+            yield TuningRecord(
                 workload_key=self.task.workload_key, task=self.task.to_dict(), target_key=self.target_key,
                 target=self.target, schedule=steps, latencies_s=tuple(lat), error=err, timestamp=time.time(),
-                tuning_time_s=0.0, library_version=VERSION, extra=extra))
-        dt = (time.perf_counter() - t0) / max(1, len(schedules))
-        return [TuningRecord(**{**r.__dict__, "tuning_time_s": dt}) for r in records]
+                tuning_time_s=build_share_s + time.perf_counter() - t1, library_version=VERSION, extra=extra)
 
     def close(self) -> None:
         self.runner.close()

@@ -14,7 +14,7 @@ from .backend import CBackend, call_kernel
 from .buffers import aligned_empty
 from .evolution import EvolutionarySearch, RandomSearch, SearchPolicy
 from .database import SkippedRecordsWarning
-from .measure import MeasureOptions, ProgramMeasurer, best_run_s
+from .measure import MeasureOptions, ProgramMeasurer, best_run_s, check_fits_in_memory
 from .mutation import checked_program
 from .record import TuningRecord
 from .schedule import Step, replay
@@ -48,6 +48,32 @@ class TuneResult:
         """Best latency among the first `trials` measurements."""
         lat = [best_run_s(r) for r in self.records[:trials]]
         return min(lat, default=float("inf"))
+
+
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `tune`; every record measured so far is in the tuning DB, and `result`
+    holds them."""
+
+    def __init__(self, result: TuneResult):
+        super().__init__(f"tuning interrupted; {len(result.records)} records kept")
+        self.result = result
+
+
+def measure_into(database: Any, measurer: ProgramMeasurer, batch: list[list[Step]],
+                 done: list[TuningRecord]) -> list[TuningRecord]:
+    """Measure `batch`, committing each record to `database` and appending it to `done` as soon
+    as it is measured, so an interrupted run keeps every measurement; returns the batch's."""
+    recs = []
+    for r in measurer.measure_iter(batch):
+        try:
+            database.add(r)
+        except KeyboardInterrupt:  # the interrupted add was rolled back: store it, then stop
+            database.add(r)
+            done.append(r)
+            raise
+        recs.append(r)
+        done.append(r)
+    return recs
 
 
 def _check_target(target: str) -> None:
@@ -89,22 +115,30 @@ def tune(task: Task, target: str = "cpu", trials: int = 64, db: Any = None, poli
          callback: Callable[[TuneResult], None] | None = None, warm_start: bool = True,
          transfer: bool = True) -> TuneResult:
     """Measure `trials` schedules chosen by `policy`, adding each record to the tuning DB as
-    soon as its batch is measured (an interrupted run keeps them). With `warm_start`, records
-    of this task already in the DB seed the cost model and the population; with `transfer`,
-    the DB's records of other tasks on this target pre-train the cost model."""
+    soon as it is measured. Ctrl-C raises TuneInterrupted (a KeyboardInterrupt) whose result
+    holds every record measured, all of them stored. With `warm_start`, records of this task
+    already in the DB seed the cost model and the population; with `transfer`, the DB's
+    records of other tasks on this target pre-train the cost model."""
     _check_target(target)
     if not isinstance(task, Task):
         raise TypeError(f"tune: expected a search.Task, got {type(task).__name__}; build one with "
                         f"Task.matmul(...) or Task.from_op(...)")
     if trials < 1 or batch_size < 1:
         raise ValueError(f"tune: trials ({trials}) and batch_size ({batch_size}) must be positive")
-    database, owned = open_db(db)
-    measurer = ProgramMeasurer(task, opts=measure_options)
+    check_fits_in_memory(task)
     pol = make_policy(policy, task, seed)
+    measurer = ProgramMeasurer(task, opts=measure_options)  # starts nothing yet
+    database, owned = open_db(db)
     t0 = time.perf_counter()
     records: list[TuningRecord] = []
     history: list[tuple[int, float, float]] = []
-    best: tuple[float, list[Step] | None] = (float("inf"), None)
+
+    def result() -> TuneResult:
+        fastest = min(records, key=best_run_s, default=None)
+        return TuneResult(task, fastest.schedule if fastest and fastest.ok else None,
+                          best_run_s(fastest) if fastest else float("inf"), list(records),
+                          time.perf_counter() - t0, list(history))
+
     try:
         if transfer and hasattr(pol, "learn_from"):
             pol.learn_from(database.records(target_key=measurer.target_key))
@@ -116,21 +150,17 @@ def tune(task: Task, target: str = "cpu", trials: int = 64, db: Any = None, poli
             batch = pol.next_batch(min(batch_size, trials - len(records)))
             if not batch:
                 break
-            recs = measurer.measure(batch)
-            database.add_many(recs)
-            pol.update(batch, recs)
-            records += recs
-            for r in recs:
-                if best_run_s(r) < best[0]:
-                    best = (best_run_s(r), r.schedule)
-            history.append((len(records), best[0], time.perf_counter() - t0))
+            pol.update(batch, measure_into(database, measurer, batch, records))
+            history.append((len(records), result().best_latency_s, time.perf_counter() - t0))
             if callback is not None:
-                callback(TuneResult(task, best[1], best[0], list(records), time.perf_counter() - t0, list(history)))
+                callback(result())
+    except KeyboardInterrupt:
+        raise TuneInterrupted(result()) from None
     finally:
         measurer.close()
         if owned:
             database.close()
-    return TuneResult(task, best[1], best[0], records, time.perf_counter() - t0, history)
+    return result()
 
 
 class Kernel:

@@ -327,3 +327,70 @@ def test_runner_is_not_fooled_by_what_kernels_print_or_skip(tmp_path):
     assert "answered something other than request" in results["writes a fake reply to every fd"][1]
     assert "wrong result" in results["is right only once"][1]
     assert "timed call 1" in results["is right only once"][1]
+
+
+# ---- `autopar tune` arguments and environment: one line on stderr, no traceback ----------
+
+
+def tune_cli(tmp_path, *extra: str, shape: str = "4,16") -> int:
+    from autopar.commands import tune as tune_command
+
+    parser = argparse.ArgumentParser(prog="autopar tune")
+    tune_command.add_arguments(parser)
+    argv = ["--task", "softmax", "--shape", shape, "--trials", "2", "--batch-size", "2",
+            "--db", str(tmp_path / "t.db"), *extra]
+    return tune_command.run(parser.parse_args(argv))
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("autopar tune: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("extra, named", [
+    (("--batch-size", "0"), "--batch-size must be at least 1, got 0"),
+    (("--trials", "-3"), "--trials must be at least 1, got -3"),
+])
+def test_tune_refuses_bad_counts(tmp_path, capsys, extra, named):
+    assert tune_cli(tmp_path, *extra) == 2
+    assert named in one_error_line(capsys)
+
+
+def test_tune_refuses_a_shape_too_large_for_memory(tmp_path, capsys):
+    """Used to end in three tracebacks and a BrokenPipeError from the runner."""
+    assert tune_cli(tmp_path, shape="1000000,1000000") == 2
+    err = one_error_line(capsys)
+    # 1e12 inputs + 1e12 outputs: 4 + 4 + 8 bytes per input element, 4 + 8 per output element
+    assert f"{28e12 / 2**30:,.1f} GiB" in err and "available" in err and "smaller shape" in err
+    assert not (tmp_path / "t.db").exists()
+
+
+@pytest.mark.parametrize("make_db, named", [
+    (lambda p: p.mkdir(), "is a directory"),
+    (lambda p: p.write_text("not a database\n"), "not a readable autopar tuning database"),
+])
+def test_tune_refuses_a_bad_db_file(tmp_path, capsys, make_db, named):
+    make_db(tmp_path / "t.db")
+    assert tune_cli(tmp_path) == 2
+    assert named in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("how", ["CC names a missing compiler", "no gcc on PATH"])
+def test_tune_names_the_missing_compiler(tmp_path, capsys, monkeypatch, how):
+    """Used to end in a bare FileNotFoundError: 'gcc'."""
+    from search import Task, tune
+    from search.backend import CompilerNotFoundError
+
+    if how == "no gcc on PATH":
+        monkeypatch.delenv("CC", raising=False)
+        monkeypatch.setenv("PATH", str(tmp_path))
+        named = "'gcc' (the default; $CC is not set) is not on PATH"
+    else:
+        monkeypatch.setenv("CC", "no-such-cc")
+        named = "'no-such-cc' (set by $CC) is not on PATH"
+    assert tune_cli(tmp_path) == 1
+    err = one_error_line(capsys)
+    assert named in err and "apt install gcc" in err and "set CC to" in err
+    with pytest.raises(CompilerNotFoundError, match="not on PATH"):
+        tune(Task.softmax(4, 16), trials=2, db=str(tmp_path / "t.db"))
