@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import signal
 import sys
@@ -49,17 +50,20 @@ def measure_one(fn, arrays: list[np.ndarray], out: np.ndarray, ref: np.ndarray, 
         return [], err
     for _ in range(o["warmup"] - 1):
         call_kernel(fn, arrays + [out])
-    flat, ref_flat = out.reshape(-1), ref.reshape(-1)
-    probes = np.unique(np.linspace(0, flat.size - 1, PROBES).astype(np.int64))
-    expected, tolerance = ref_flat[probes], o["rtol"] * max(float(np.abs(ref).max()), 1e-30)
+    # plain Python on a memoryview: numpy calls between timed calls made 4 us kernels 0.3 us slower
+    flat = memoryview(out.reshape(-1))
+    probes = np.unique(np.linspace(0, out.size - 1, PROBES).astype(np.int64)).tolist()
+    expected = [float(x) for x in ref.reshape(-1)[probes]]
+    tolerance = o["rtol"] * max(float(np.abs(ref).max()), 1e-30)
     lat: list[float] = []
     total = 0.0
     while len(lat) < o["repeats"] or total < o["min_time_s"]:
-        flat[probes] = np.nan
+        for i in probes:
+            flat[i] = math.nan
         t0 = time.perf_counter()
         call_kernel(fn, arrays + [out])
         dt = time.perf_counter() - t0
-        if not np.all(np.abs(flat[probes] - expected) <= tolerance):  # NaN compares False
+        if not all(abs(flat[i] - e) <= tolerance for i, e in zip(probes, expected)):  # NaN fails
             return [], f"wrong result in timed call {len(lat) + 1} (the first call was right)"
         lat.append(dt)
         total += dt
