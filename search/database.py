@@ -27,7 +27,7 @@ from search.record import TuningRecord
 from search.record_check import content_problem, field_type_problem, record_problem
 
 __all__ = [
-    "APPLICATION_ID", "ENV_VAR", "SCHEMA_VERSION", "ImportReport", "SkippedRecordsWarning",
+    "APPLICATION_ID", "ENV_VAR", "SCHEMA_VERSION", "ImportReport", "InvalidRecordError", "SkippedRecordsWarning",
     "TuningDB", "TuningDBError", "default_db_path", "summarize_problems",
 ]
 
@@ -69,6 +69,14 @@ _RECORD_COLUMNS = (
     "id, workload_key, task_json, target_key, target_json, schedule_json, latencies_json, "
     "error, timestamp, tuning_time_s, library_version, extra_json"
 )
+
+
+class InvalidRecordError(ValueError):
+    """A well-typed record whose content fails validation (`search.record_check`)."""
+
+    def __init__(self, workload_key: str, problem: str):
+        super().__init__(f"record {workload_key!r}: {problem}; it was not stored")
+        self.problem = problem
 
 
 class SkippedRecordsWarning(UserWarning):
@@ -497,15 +505,9 @@ class TuningDB:
             if not raw.strip():
                 continue
             try:
-                record = _parse_record_line(raw)
-                problem = field_type_problem(record)
-                if problem:
-                    raise TypeError(problem)
-                problem = content_problem(record)
-                if problem:
-                    invalid.append((number, problem))
-                else:
-                    rows.append(_record_row(record))
+                rows.append(_record_row(_parse_record_line(raw)))
+            except InvalidRecordError as e:
+                invalid.append((number, e.problem))
             except (ValueError, TypeError) as e:
                 raise TuningDBError(
                     f"{src}, line {number}: {e}. Nothing was imported; fix or delete that line."
@@ -596,7 +598,7 @@ def _record_row(record: TuningRecord) -> tuple:
         raise TypeError(problem)
     problem = content_problem(record)
     if problem:
-        raise ValueError(f"record {record.workload_key!r}: {problem}; it was not stored")
+        raise InvalidRecordError(record.workload_key, problem)
     name = record.workload_key
     latencies = [float(x) for x in record.latencies_s]
     fields = {
