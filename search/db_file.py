@@ -56,10 +56,13 @@ def inspect_file(path: pathlib.Path, timeout_s: float, *, salvage: bool = False)
             not_a_db_message(path, "it is not an SQLite file: no complete SQLite header")
         )
     try:
-        conn = sqlite3.connect(read_only_uri(path), uri=True, timeout=timeout_s)
+        conn = sqlite3.connect(read_only_uri(path), uri=True, timeout=timeout_s, isolation_level=None)
         try:
             if salvage:  # read a file shorter than its header says (read-only: no writes)
                 conn.execute("PRAGMA writable_schema = ON")
+            # one snapshot: another process may be creating the schema of this new file right
+            # now, and separate reads could see its tables but not yet its application_id
+            conn.execute("BEGIN")
             app_id, version, names = header_and_tables(conn)
             if app_id == 0 and not names:
                 return "empty"

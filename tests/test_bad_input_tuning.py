@@ -144,6 +144,7 @@ def test_salvage_exports_what_a_damaged_db_still_holds(tmp_path, capsys):
         f.truncate(size - 5 * 4096)
     before = path.read_bytes()
     assert db_cli("export", "--salvage", str(out), "--db", str(path)) == 0
+    assert "sit on damaged pages and were not exported" in capsys.readouterr().err
     assert path.read_bytes() == before
     saved = [TuningRecord.from_json(line) for line in out.read_text().splitlines()]
     assert 0 < len(saved) < len(records)
