@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import weakref
 from dataclasses import dataclass
@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from .build_dirs import make_build_dir, remove_stale_build_dirs
 from .codegen_c import KERNEL_SYMBOL, to_c_source
 from .lower import lower
 from .schedule import State
@@ -29,6 +30,28 @@ def compile_flags(isa: list[str]) -> tuple[str, ...]:
     """C_FLAGS for a CPU; on AVX-512 machines gcc is told to use 512-bit vectors, which its
     tuning for recent Intel cores avoids by default (a tuned 512^3 matmul: 205 -> 300 GFLOP/s)."""
     return C_FLAGS + (("-mprefer-vector-width=512",) if "avx512f" in isa else ())
+
+
+class CompilerNotFoundError(RuntimeError):
+    """The C compiler that builds candidate kernels is not installed; the message says how to get one."""
+
+
+def default_compiler() -> str:
+    """$CC if set (a command, e.g. `clang` or `ccache gcc`), else `gcc`."""
+    return os.environ.get("CC", "").strip() or "gcc"
+
+
+def require_compiler(compiler: str) -> None:
+    """Raise CompilerNotFoundError unless `compiler` names an executable (on PATH, or a path)."""
+    words = shlex.split(compiler) or [""]
+    if shutil.which(words[0]) is None:
+        origin = "set by $CC" if os.environ.get("CC", "").strip() else "the default; $CC is not set"
+        raise CompilerNotFoundError(
+            f"no C compiler: {words[0]!r} ({origin}) is not on PATH. autopar compiles every "
+            f"candidate kernel with it ({' '.join(C_FLAGS)}). Install gcc (Debian/Ubuntu: "
+            "apt install gcc; Fedora: dnf install gcc; macOS: brew install gcc), or set CC to a "
+            "C compiler with OpenMP support, e.g. CC=clang."
+        )
 
 
 @dataclass(frozen=True)
@@ -48,14 +71,15 @@ class Backend(Protocol):
 
 
 class CBackend:
-    """Plain C with OpenMP pragmas, compiled by the system C compiler, loaded with ctypes.
-    Without a `workdir` it builds in a temporary directory of its own, removed by `close()` or
-    when the backend is garbage-collected (a loaded kernel keeps working: its code is mapped)."""
+    """Plain C with OpenMP pragmas, compiled by the system C compiler ($CC, else gcc), loaded
+    with ctypes. Without a `workdir` it builds in a temporary directory of its own, removed by
+    `close()` or when the backend is garbage-collected (a loaded kernel keeps working: its code
+    is mapped); ones left by killed runs are removed when a new one is made."""
 
     name = "c"
 
-    def __init__(self, compiler: str = "gcc", workdir: str | None = None, n_parallel: int | None = None):
-        self.compiler = compiler
+    def __init__(self, compiler: str | None = None, workdir: str | None = None, n_parallel: int | None = None):
+        self.compiler = compiler or default_compiler()
         self._workdir = workdir
         self.n_parallel = n_parallel or max(1, os.cpu_count() or 1)
         self._count = 0
@@ -64,8 +88,9 @@ class CBackend:
     @property
     def workdir(self) -> str:
         if self._workdir is None:
-            self._workdir = tempfile.mkdtemp(prefix="autopar_kernels_")
-            self._cleanup = weakref.finalize(self, shutil.rmtree, self._workdir, ignore_errors=True)
+            remove_stale_build_dirs()
+            self._workdir, lock_fd = make_build_dir()
+            self._cleanup = weakref.finalize(self, _remove_build_dir, self._workdir, lock_fd)
         return self._workdir
 
     def close(self) -> None:
@@ -75,6 +100,7 @@ class CBackend:
             self._cleanup, self._workdir = None, None
 
     def target(self) -> dict[str, Any]:
+        require_compiler(self.compiler)
         t = cpu_target(self.compiler)
         return {**t, "cflags": list(compile_flags(t["isa"]))}
 
@@ -86,6 +112,7 @@ class CBackend:
 
     def build(self, sources: list[str], timeout_s: float = 30.0) -> list[BuildResult]:
         """Compile sources in parallel compiler processes (at most n_parallel at once)."""
+        require_compiler(self.compiler)
         results: list[BuildResult | None] = [None] * len(sources)
         pending = list(range(len(sources)))
         running: list[tuple[int, subprocess.Popen, float, str]] = []
@@ -105,7 +132,7 @@ class CBackend:
                 stem = os.path.join(self.workdir, f"k{os.getpid()}_{self._count}")
                 with open(stem + ".c", "w") as f:
                     f.write(sources[i])
-                cmd = [self.compiler, *self.target()["cflags"], "-o", stem + ".so", stem + ".c", "-lm"]
+                cmd = [*shlex.split(self.compiler), *self.target()["cflags"], "-o", stem + ".so", stem + ".c", "-lm"]
                 # own process group: a timeout must kill cc1 too, not only the gcc driver (an
                 # orphaned cc1 kept a core busy for minutes and slowed every later measurement)
                 p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -133,6 +160,11 @@ class CBackend:
         fn.argtypes = [ctypes.c_void_p] * n_args
         fn.restype = None
         return fn
+
+
+def _remove_build_dir(path: str, lock_fd: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(lock_fd)
 
 
 def _kill_group(p: subprocess.Popen) -> None:

@@ -2,8 +2,10 @@
 one SQLite file (WAL mode, schema-versioned) that several tuning processes can share."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -12,19 +14,26 @@ import secrets
 import sqlite3
 import threading
 import time
-import urllib.parse
+import warnings
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+from search.db_file import (
+    APPLICATION_ID, ENV_VAR, SCHEMA_VERSION, TuningDBError, check_ours, header_and_tables,
+    inspect_file, read_only_uri,
+)
 from search.record import TuningRecord
+from search.record_check import content_problem, field_type_problem, record_problem
 
-APPLICATION_ID = 0x41505444  # "APTD": marks an autopar tuning database in the SQLite header
-SCHEMA_VERSION = 1  # stored in PRAGMA user_version; bump with a migration in _MIGRATIONS
-ENV_VAR = "AUTOPAR_TUNING_DB"
+__all__ = [
+    "APPLICATION_ID", "ENV_VAR", "SCHEMA_VERSION", "ImportReport", "InvalidRecordError", "SkippedRecordsWarning",
+    "TuningDB", "TuningDBError", "default_db_path", "summarize_problems",
+]
+
 BUSY_TIMEOUT_S = 60.0
+_PAGE = 32  # rows per query when looking for the best valid record
 
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-_SQLITE_HEADER_BYTES = 100
 _RECORD_FIELDS = (
     "workload_key", "task", "target_key", "target", "schedule", "latencies_s", "error",
     "timestamp", "tuning_time_s", "library_version", "extra",
@@ -56,15 +65,32 @@ _SCHEMA = (
         PRIMARY KEY (kind, key)
     )""",
 )
-_OUR_TABLES = {"records", "profiles"}
 _RECORD_COLUMNS = (
-    "workload_key, task_json, target_key, target_json, schedule_json, latencies_json, "
+    "id, workload_key, task_json, target_key, target_json, schedule_json, latencies_json, "
     "error, timestamp, tuning_time_s, library_version, extra_json"
 )
 
 
-class TuningDBError(Exception):
-    """The tuning database cannot be opened, read or written; the message says what to do."""
+class InvalidRecordError(ValueError):
+    """A well-typed record whose content fails validation (`search.record_check`)."""
+
+    def __init__(self, workload_key: str, problem: str):
+        super().__init__(f"record {workload_key!r}: {problem}; it was not stored")
+        self.problem = problem
+
+
+class SkippedRecordsWarning(UserWarning):
+    """Stored records that fail validation were left out of a read (see TuningDB.skipped)."""
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    """What `import_jsonl` did: records added, exact duplicates of stored ones, and the
+    (line number, problem) of each record that failed validation and was skipped."""
+
+    added: int
+    duplicates: int
+    invalid: tuple[tuple[int, str], ...] = ()
 
 
 def default_db_path() -> pathlib.Path:
@@ -84,7 +110,9 @@ class TuningDB:
 
     Every write is its own committed transaction, so records survive a killed process and
     concurrent writers (threads or processes) never lose each other's records. A file that
-    is not an autopar tuning database raises TuningDBError and is never written to.
+    is not an autopar tuning database, or is damaged, raises TuningDBError and is never
+    written to. Reads leave out stored records that fail validation and note them in
+    `skipped`. `salvage=True` opens a damaged file read-only to export what can still be read.
     """
 
     def __init__(
@@ -94,6 +122,7 @@ class TuningDB:
         create: bool = True,
         synchronous: str = "NORMAL",
         timeout_s: float = BUSY_TIMEOUT_S,
+        salvage: bool = False,
     ):
         self.path = pathlib.Path(path).expanduser() if path is not None else default_db_path()
         if synchronous.upper() not in ("NORMAL", "FULL", "EXTRA"):
@@ -101,18 +130,38 @@ class TuningDB:
                 f"synchronous={synchronous!r}: use 'NORMAL' (survives a killed process) or "
                 "'FULL' (also survives power loss, one fsync per write)"
             )
-        self._create = create
+        self._create = create and not salvage
+        self._salvage = salvage
         self._synchronous = synchronous.upper()
         self._timeout_s = float(timeout_s)
         self._lock = threading.RLock()
         self._inherited: list[sqlite3.Connection] = []
+        self._skipped: dict[int, str] = {}
+        self._unreadable: list[tuple[int, int | None]] = []
         self._conn: sqlite3.Connection | None = self._connect()
         self._pid = os.getpid()
+
+    @property
+    def skipped(self) -> dict[int, str]:
+        """Row id -> problem of every stored record that reads so far left out as invalid."""
+        with self._lock:
+            return dict(self._skipped)
+
+    @property
+    def unreadable(self) -> list[tuple[int, int | None]]:
+        """(first, last) row ids a salvage read could not reach (damaged pages); last is
+        None when nothing after `first` could be read."""
+        with self._lock:
+            return list(self._unreadable)
 
     # ---- opening and validation -------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
-        state = _inspect_file(self.path, self._timeout_s)
+        state = inspect_file(self.path, self._timeout_s, salvage=self._salvage)
+        if self._salvage:
+            if state != "ours":
+                raise TuningDBError(f"nothing to salvage: {self.path} is {state}")
+            return self._open_for_salvage()
         if state == "missing":
             if not self._create:
                 raise TuningDBError(
@@ -153,20 +202,32 @@ class TuningDB:
             raise
         return conn
 
+    def _open_for_salvage(self) -> sqlite3.Connection:
+        """Read-only, and past SQLite's refusal of a file shorter than its header says."""
+        try:
+            conn = sqlite3.connect(
+                read_only_uri(self.path), uri=True, timeout=self._timeout_s,
+                isolation_level=None, check_same_thread=False,
+            )
+            conn.execute("PRAGMA writable_schema = ON")  # a read-only connection still cannot write
+        except sqlite3.Error as e:
+            raise TuningDBError(f"cannot open {self.path} to salvage it: {e}") from e
+        return conn
+
     def _initialize(self, conn: sqlite3.Connection) -> None:
         """Create the schema in an empty file; another process may be doing the same now, so
         check again under the write lock."""
         _set_wal(conn, self._timeout_s)
         conn.execute("BEGIN IMMEDIATE")
         try:
-            app_id, version, names = _header_and_tables(conn)
+            app_id, version, names = header_and_tables(conn)
             if app_id == 0 and not names:
                 for statement in _SCHEMA:
                     conn.execute(statement)
                 conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             else:
-                _check_ours(self.path, app_id, version, names)
+                check_ours(self.path, app_id, version, names)
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
@@ -196,6 +257,10 @@ class TuningDB:
     def _writing(self, action: str) -> Iterator[sqlite3.Connection]:
         """One committed write transaction; BEGIN IMMEDIATE takes the write lock up front so
         a busy database waits (busy timeout) instead of failing on lock upgrade."""
+        if self._salvage:
+            raise TuningDBError(
+                f"cannot {action}: {self.path} was opened to salvage its records, read-only"
+            )
         with self._lock:
             conn = self._connection()
             try:
@@ -210,10 +275,63 @@ class TuningDB:
             except sqlite3.Error as e:
                 raise TuningDBError(_sqlite_message(self.path, action, e)) from e
 
+    def _valid(self, rows: Iterable[tuple], limit: int | None = None) -> list[TuningRecord]:
+        """The records of `rows` (id + record columns) that pass validation, the first `limit`
+        of them; the others are noted in `skipped`, with one SkippedRecordsWarning per read
+        that finds new ones."""
+        records: list[TuningRecord] = []
+        new: dict[int, str] = {}
+        for row in rows:
+            record, problem = _checked_record(row)
+            if problem is None:
+                records.append(record)
+                if len(records) == limit:
+                    break
+            elif row[0] not in self._skipped:
+                new[row[0]] = problem
+        if new:
+            self._skipped.update(new)
+            warnings.warn(SkippedRecordsWarning(
+                f"{self.path}: left out {summarize_problems(new.values())}; "
+                f"`autopar db remove --invalid --db '{self.path}'` deletes them"
+            ), stacklevel=3)
+        return records
+
+    def _rows_by_id(self, conn: sqlite3.Connection, where: str, params: tuple) -> Iterator[tuple]:
+        """Records matching `where`, in insertion order; when salvaging, one row at a time past
+        pages that cannot be read (their row-id ranges are noted in `unreadable`)."""
+        if not self._salvage:
+            yield from conn.execute(
+                f"SELECT {_RECORD_COLUMNS} FROM records WHERE {where} ORDER BY id", params
+            )
+            return
+        sql = (f"SELECT {_RECORD_COLUMNS} FROM records NOT INDEXED WHERE id > ? AND {where} "
+               "ORDER BY id LIMIT 1")
+
+        def first_after(row_id: int) -> tuple | None:
+            return conn.execute(sql, (row_id, *params)).fetchone()
+
+        last = 0
+        while True:
+            try:
+                row = first_after(last)
+            except sqlite3.DatabaseError:
+                resume = _first_readable(first_after, last)
+                self._unreadable.append((last + 1, resume))
+                if resume is None:
+                    return
+                last = resume
+                continue
+            if row is None:
+                return
+            yield row
+            last = row[0]
+
     # ---- records ----------------------------------------------------------------------
 
     def add(self, record: TuningRecord) -> None:
-        """Store one record, committed before returning; an exact duplicate is ignored."""
+        """Store one record, committed before returning; an exact duplicate is ignored. A
+        record that fails validation raises (TypeError or ValueError naming the field)."""
         row = _record_row(record)
         with self._writing("add a record") as conn:
             conn.execute(_INSERT_RECORD, row)
@@ -225,38 +343,85 @@ class TuningDB:
             return sum(conn.execute(_INSERT_RECORD, row).rowcount for row in rows)
 
     def best(self, workload_key: str, target_key: str | None = None) -> TuningRecord | None:
-        """The successful record with the lowest median latency, or None if there is none."""
+        """The valid successful record with the lowest median latency, or None."""
         where, params = _filter(workload_key, target_key)
         sql = (
             f"SELECT {_RECORD_COLUMNS} FROM records WHERE {where} AND latency_s IS NOT NULL "
-            "ORDER BY latency_s, id LIMIT 1"
+            f"ORDER BY latency_s, id LIMIT {_PAGE} OFFSET ?"
         )
+
+        def fastest_first(conn: sqlite3.Connection) -> Iterator[tuple]:
+            # pages, so that SQLite keeps only the top few rows when sorting
+            for offset in itertools.count(0, _PAGE):
+                rows = conn.execute(sql, (*params, offset)).fetchall()
+                yield from rows
+                if len(rows) < _PAGE:
+                    return
+
         with self._reading("look up the best record") as conn:
-            row = conn.execute(sql, params).fetchone()
-        return None if row is None else _row_record(row)
+            found = self._valid(fastest_first(conn), limit=1)
+        return found[0] if found else None
 
     def records(
         self, workload_key: str | None = None, target_key: str | None = None
     ) -> list[TuningRecord]:
-        """All records (failed ones included) in insertion order, optionally filtered."""
+        """All valid records (failed ones included) in insertion order, optionally filtered."""
         where, params = _filter(workload_key, target_key)
-        sql = f"SELECT {_RECORD_COLUMNS} FROM records WHERE {where} ORDER BY id"
         with self._reading("read records") as conn:
-            return [_row_record(row) for row in conn.execute(sql, params).fetchall()]
+            return self._valid(self._rows_by_id(conn, where, params))
 
     def workloads(self, target_key: str | None = None) -> list[tuple[str, int, float]]:
-        """(workload_key, n_records, best_latency_s) per workload, sorted by key; the latency
-        is +inf when no record of that workload succeeded."""
+        """(workload_key, n_records, best_latency_s) per workload, sorted by key: the count of
+        stored records (invalid ones included: validating every row would make this O(file)
+        in Python) and the latency of `best()`, +inf when no valid record succeeded."""
         where, params = _filter(None, target_key)
-        sql = (
-            f"SELECT workload_key, COUNT(*), MIN(latency_s) FROM records WHERE {where} "
-            "GROUP BY workload_key ORDER BY workload_key"
-        )
+        sql = (f"SELECT workload_key, COUNT(*), MIN(latency_s) FROM records WHERE {where} "
+               "GROUP BY workload_key ORDER BY workload_key")
         with self._reading("list workloads") as conn:
             rows = conn.execute(sql, params).fetchall()
-        return [(key, n, math.inf if best is None else best) for key, n, best in rows]
+        out = []
+        for key, n, fastest in rows:
+            best = self.best(key, target_key) if fastest is not None else None
+            out.append((key, n, math.inf if best is None else best.latency_s))
+        return out
+
+    def remove(
+        self,
+        workload_key: str | None = None,
+        target_key: str | None = None,
+        *,
+        invalid_only: bool = False,
+        dry_run: bool = False,
+    ) -> list[tuple[str, str | None]]:
+        """Delete the records of a workload (and target), or with `invalid_only` those that fail
+        validation; returns (workload_key, problem or None) of each one deleted, or that would
+        be with `dry_run`."""
+        if workload_key is None and not invalid_only:
+            raise ValueError("remove: name a workload_key, or pass invalid_only=True; to drop "
+                             "every record, delete the database file instead")
+        where, params = _filter(workload_key, target_key)
+
+        def chosen(conn: sqlite3.Connection) -> list[tuple[int, str, str | None]]:
+            out = []
+            for row in conn.execute(f"SELECT {_RECORD_COLUMNS} FROM records WHERE {where}", params):
+                problem = _checked_record(row)[1]
+                if problem is not None or not invalid_only:
+                    out.append((row[0], row[1], problem))
+            return out
+
+        if dry_run:
+            with self._reading("find records to remove") as conn:
+                found = chosen(conn)
+        else:
+            with self._writing("remove records") as conn:
+                found = chosen(conn)
+                conn.executemany("DELETE FROM records WHERE id = ?", [(i,) for i, _, _ in found])
+            for i, _, _ in found:
+                self._skipped.pop(i, None)
+        return [(key, problem) for _, key, problem in found]
 
     def __len__(self) -> int:
+        """Stored records, invalid ones included."""
         with self._reading("count records") as conn:
             return conn.execute("SELECT COUNT(*) FROM records").fetchone()[0]
 
@@ -301,11 +466,10 @@ class TuningDB:
         workload_key: str | None = None,
         target_key: str | None = None,
     ) -> int:
-        """Write records as JSON lines (TuningRecord.to_json format); returns the count. The
-        file is written aside and renamed, so a failure never leaves a half-written file."""
+        """Write valid records as JSON lines (TuningRecord.to_json format); returns the count.
+        The file is written aside and renamed, so a failure never leaves a half-written file."""
         out = pathlib.Path(path).expanduser()
         where, params = _filter(workload_key, target_key)
-        sql = f"SELECT {_RECORD_COLUMNS} FROM records WHERE {where} ORDER BY id"
         tmp_name = str(out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
@@ -314,8 +478,8 @@ class TuningDB:
         count = 0
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f, self._reading("export") as conn:
-                for row in conn.execute(sql, params):
-                    f.write(_canonical_json(_row_record(row)) + "\n")
+                for record in self._valid(self._rows_by_id(conn, where, params)):
+                    f.write(_canonical_json(record) + "\n")
                     count += 1
                 f.flush()
                 os.fsync(f.fileno())
@@ -327,27 +491,30 @@ class TuningDB:
                 os.unlink(tmp_name)
         return count
 
-    def import_jsonl(self, path: str | os.PathLike) -> int:
-        """Add the records of a JSON-lines file in one transaction, skipping exact duplicates;
-        returns how many were new. A bad line raises TuningDBError naming it, and then
-        nothing from the file is imported."""
+    def import_jsonl(self, path: str | os.PathLike) -> ImportReport:
+        """Add the valid records of a JSON-lines file in one transaction, skipping exact
+        duplicates and (reported by line) records that fail validation. A line that is not a
+        tuning record at all raises TuningDBError naming it, and then nothing is imported."""
         src = pathlib.Path(path).expanduser()
         try:
             raw_lines = src.read_bytes().splitlines()
         except OSError as e:
             raise TuningDBError(f"cannot read {src}: {e}") from e
-        rows = []
+        rows, invalid = [], []
         for number, raw in enumerate(raw_lines, start=1):
             if not raw.strip():
                 continue
             try:
                 rows.append(_record_row(_parse_record_line(raw)))
+            except InvalidRecordError as e:
+                invalid.append((number, e.problem))
             except (ValueError, TypeError) as e:
                 raise TuningDBError(
                     f"{src}, line {number}: {e}. Nothing was imported; fix or delete that line."
                 ) from e
         with self._writing(f"import {src}") as conn:
-            return sum(conn.execute(_INSERT_RECORD, row).rowcount for row in rows)
+            added = sum(conn.execute(_INSERT_RECORD, row).rowcount for row in rows)
+        return ImportReport(added, len(rows) - added, tuple(invalid))
 
     # ---- lifetime ---------------------------------------------------------------------
 
@@ -368,87 +535,8 @@ class TuningDB:
         return f"TuningDB({str(self.path)!r})"
 
 
-# ---- file inspection (read-only: never writes to a file that is not ours) ---------------
 
-
-def _inspect_file(path: pathlib.Path, timeout_s: float) -> str:
-    """'missing', 'empty' (zero bytes or an SQLite file with nothing in it) or 'ours';
-    raises TuningDBError for anything else, after opening it read-only at most."""
-    if not path.exists():
-        return "missing"
-    if path.is_dir():
-        raise TuningDBError(
-            f"{path} is a directory; the tuning database is a file, e.g. {path / 'tuning.db'}"
-        )
-    # Another process may be writing the first page of a brand-new file right now, so a
-    # bad header is read again a few times before it counts as corrupt.
-    for attempt in range(3):
-        try:
-            with open(path, "rb") as f:
-                header = f.read(_SQLITE_HEADER_BYTES)
-        except OSError as e:
-            raise TuningDBError(f"cannot read the tuning database {path}: {e}") from e
-        if not header:
-            return "empty"
-        if len(header) == _SQLITE_HEADER_BYTES and header.startswith(_SQLITE_MAGIC):
-            break
-        time.sleep(0.02 * (attempt + 1))
-    else:
-        raise TuningDBError(
-            _not_a_db_message(path, "it is not an SQLite file: no complete SQLite header")
-        )
-    uri = "file:" + urllib.parse.quote(str(path.absolute())) + "?mode=ro"
-    try:
-        conn = sqlite3.connect(uri, uri=True, timeout=timeout_s)
-        try:
-            app_id, version, names = _header_and_tables(conn)
-        finally:
-            conn.close()
-    except sqlite3.Error as e:
-        if "locked" in str(e) or "busy" in str(e):
-            raise TuningDBError(f"the tuning database {path} stayed locked for {timeout_s:.0f} s: {e}") from e
-        raise TuningDBError(_not_a_db_message(path, f"SQLite cannot read it: {e}")) from e
-    if app_id == 0 and not names:
-        return "empty"
-    _check_ours(path, app_id, version, names)
-    return "ours"
-
-
-def _header_and_tables(conn: sqlite3.Connection) -> tuple[int, int, set[str]]:
-    app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
-    names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
-    return app_id, version, names
-
-
-def _check_ours(path: pathlib.Path, app_id: int, version: int, names: set[str]) -> None:
-    if app_id != APPLICATION_ID:
-        tables = ", ".join(sorted(names)) or "none"
-        raise TuningDBError(
-            f"{path} is an SQLite database of another application (application_id "
-            f"{app_id:#x}, tables: {tables}), not an autopar tuning database. It was left "
-            f"unchanged; pass a different path with --db or ${ENV_VAR}."
-        )
-    if version > SCHEMA_VERSION:
-        raise TuningDBError(
-            f"the tuning database {path} has schema version {version}, written by a newer "
-            f"autopar; this autopar reads schema version {SCHEMA_VERSION}. Upgrade autopar "
-            f"(pip install -U autopar), or pass a different path with --db or ${ENV_VAR}."
-        )
-    if version < SCHEMA_VERSION or not _OUR_TABLES <= names:
-        raise TuningDBError(
-            _not_a_db_message(
-                path, f"schema version {version} with tables {sorted(names)} is incomplete"
-            )
-        )
-
-
-def _not_a_db_message(path: pathlib.Path, reason: str) -> str:
-    return (
-        f"{path} is not a readable autopar tuning database ({reason}). It was left unchanged. "
-        f"Move it aside (mv '{path}' '{path}.bad') to start a fresh database, or pass a "
-        f"different path with --db or ${ENV_VAR}."
-    )
+# ---- SQLite helpers ----------------------------------------------------------------------
 
 
 def _set_wal(conn: sqlite3.Connection, timeout_s: float) -> None:
@@ -502,37 +590,15 @@ def _dumps(value: Any, what: str) -> str:
         raise TypeError(f"{what} cannot be stored as JSON: {e}") from e
 
 
-def _check_record(record: TuningRecord) -> None:
-    """Type checks with messages that name the field; the database stores only what
-    TuningRecord.from_json can read back."""
-    if not isinstance(record, TuningRecord):
-        raise TypeError(f"expected a TuningRecord, got {type(record).__name__}")
-    name = record.workload_key
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"workload_key must be a non-empty string, got {name!r}")
-    expected = {
-        "task": dict, "target_key": str, "target": dict, "schedule": (list, tuple),
-        "latencies_s": (list, tuple), "error": (str, type(None)), "library_version": str,
-        "extra": dict,
-    }
-    for field, kind in expected.items():
-        value = getattr(record, field)
-        if not isinstance(value, kind):
-            raise TypeError(f"record {name!r}: {field} has type {type(value).__name__}")
-    for field in ("timestamp", "tuning_time_s"):
-        value = getattr(record, field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise TypeError(f"record {name!r}: {field} must be a finite number, got {value!r}")
-    for x in record.latencies_s:
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
-            raise ValueError(
-                f"record {name!r}: latencies_s must be finite non-negative seconds, got {x!r}; "
-                "record a failed measurement with error=... and no latencies instead"
-            )
-
-
 def _record_row(record: TuningRecord) -> tuple:
-    _check_record(record)
+    """The row that stores `record`; TypeError for a field of the wrong type, ValueError for
+    content that fails validation (both name the problem)."""
+    problem = field_type_problem(record)
+    if problem:
+        raise TypeError(problem)
+    problem = content_problem(record)
+    if problem:
+        raise InvalidRecordError(record.workload_key, problem)
     name = record.workload_key
     latencies = [float(x) for x in record.latencies_s]
     fields = {
@@ -562,15 +628,53 @@ def _canonical_json(record: TuningRecord) -> str:
     return _dumps(d, f"record {record.workload_key!r}")
 
 
-def _row_record(row: tuple) -> TuningRecord:
-    (workload_key, task, target_key, target, schedule, latencies, error, timestamp,
+def _checked_record(row: tuple) -> tuple[TuningRecord | None, str | None]:
+    """The record of a row (id + record columns), or None and why it cannot be used."""
+    (_, workload_key, task, target_key, target, schedule, latencies, error, timestamp,
      tuning_time_s, library_version, extra) = row
-    return TuningRecord(
-        workload_key=workload_key, task=json.loads(task), target_key=target_key,
-        target=json.loads(target), schedule=json.loads(schedule),
-        latencies_s=tuple(json.loads(latencies)), error=error, timestamp=timestamp,
-        tuning_time_s=tuning_time_s, library_version=library_version, extra=json.loads(extra),
-    )
+    try:
+        record = TuningRecord(
+            workload_key=workload_key, task=json.loads(task), target_key=target_key,
+            target=json.loads(target), schedule=json.loads(schedule),
+            latencies_s=tuple(json.loads(latencies)), error=error, timestamp=timestamp,
+            tuning_time_s=tuning_time_s, library_version=library_version, extra=json.loads(extra),
+        )
+    except (TypeError, ValueError) as e:  # NULL or garbled columns of a damaged file
+        return None, f"unreadable row ({type(e).__name__}: {e})"
+    problem = record_problem(record)
+    return (None, problem) if problem else (record, None)
+
+
+def _first_readable(first_after: Any, last: int) -> int | None:
+    """The smallest row id past `last` from which `first_after(id)` reads again (ids in
+    between sit on damaged pages), or None when nothing further can be read."""
+    def readable(row_id: int) -> bool:
+        try:
+            first_after(row_id)
+            return True
+        except sqlite3.DatabaseError:
+            return False
+
+    step = 1
+    while not readable(last + step):
+        step *= 2
+        if last + step > 2**62:
+            return None
+    low, high = last + step // 2, last + step  # low is unreadable (or `last`), high reads
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if readable(middle) else (middle, high)
+    return high
+
+
+def summarize_problems(problems: Iterable[str], noun: str = "invalid record", shown: int = 3) -> str:
+    """'N invalid records (k: problem; ...)', the most common problems first."""
+    counts = collections.Counter(problems)
+    total = sum(counts.values())
+    parts = [f"{n}: {problem}" for problem, n in counts.most_common(shown)]
+    if len(counts) > shown:
+        parts.append(f"{len(counts) - shown} other problems")
+    return f"{total} {noun}{'s' if total != 1 else ''} ({'; '.join(parts)})"
 
 
 def _parse_record_line(raw: bytes) -> TuningRecord:

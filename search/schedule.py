@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 from .compute import Axis, ComputeDAG, Stage
 from .expr import Load, Var, rebuild, substitute
@@ -194,9 +194,7 @@ def _fuse(state: State, st: StageState, step: Step) -> State:
 
 
 def _annotate(state: State, st: StageState, step: Step) -> State:
-    ann = step["ann"]
-    if ann not in ANNOTATIONS:
-        raise ScheduleError(f"annotate: unknown annotation {ann!r}; use one of {ANNOTATIONS}")
+    ann = step["ann"]  # one of ANNOTATIONS (step_problem)
     lp = st.loop(step["iter"])
     return state.with_stage(replace(st, loops=tuple(replace(l, ann=ann) if l is lp else l for l in st.loops)))
 
@@ -300,17 +298,91 @@ _STEPS = {"split": _split, "reorder": _reorder, "fuse": _fuse, "annotate": _anno
           "cache_write": _cache_write, "cache_read": _cache_read, "rfactor": _rfactor, "pragma": _pragma}
 
 
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_name(x: Any) -> bool:
+    return isinstance(x, str) and x != ""
+
+
+def _are_names(x: Any) -> bool:
+    return isinstance(x, list) and all(_is_name(n) for n in x)
+
+
+def _expect(test: Callable[[Any], bool], description: str) -> Callable[[Any], str | None]:
+    return lambda x: None if test(x) else f"must be {description}, got {json.dumps(x, default=repr)}"
+
+
+# what each field of a step must be: value -> problem, or None
+_NAME = _expect(_is_name, "a loop, stage or tensor name")
+_NAMES = _expect(_are_names, "a list of names")
+_COUNT = _expect(lambda x: _is_int(x) and x >= 0, "a non-negative integer")
+_FACTORS = _expect(lambda x: isinstance(x, list) and all(_is_int(f) and f > 0 for f in x),
+                   "a list of positive integers")
+_SOURCE = _expect(lambda x: _are_names(x) and len(x) == 2, "[stage, loop]")
+
+
+def _annotation(x: Any) -> str | None:
+    return None if x in ANNOTATIONS else f"unknown annotation {json.dumps(x, default=repr)}; use one of {ANNOTATIONS}"
+
+
+# step kind -> its required fields; `stage` is the stage the step transforms
+STEP_FIELDS: dict[str, dict[str, Callable[[Any], str | None]]] = {
+    "split": {"stage": _NAME, "iter": _NAME, "factors": _FACTORS},
+    "follow_split": {"stage": _NAME, "iter": _NAME, "src": _SOURCE, "n": _COUNT},
+    "reorder": {"stage": _NAME, "order": _NAMES},
+    "fuse": {"stage": _NAME, "iters": _NAMES},
+    "annotate": {"stage": _NAME, "iter": _NAME, "ann": _annotation},
+    "compute_at": {"stage": _NAME, "target": _NAME, "iter": _NAME},
+    "compute_root": {"stage": _NAME},
+    "compute_inline": {"stage": _NAME},
+    "cache_write": {"stage": _NAME},
+    "cache_read": {"stage": _NAME, "tensor": _NAME},
+    "rfactor": {"stage": _NAME, "iter": _NAME},
+    "pragma": {"stage": _NAME, "auto_unroll_max_step": _COUNT},
+}
+
+
+def step_problem(step: Any) -> str | None:
+    """Why `step` is not a step this version can apply (not an object, unknown kind, a missing
+    or mistyped field), or None; a step's meaning in a given state is checked by replaying it."""
+    if not isinstance(step, dict):
+        return f"a step must be a JSON object, got {json.dumps(step, default=repr)}"
+    kind = step.get("kind")
+    if kind not in STEP_FIELDS:
+        return (f"unknown step kind {kind!r} (written by a newer autopar?); this version knows "
+                f"{sorted(STEP_FIELDS)}")
+    for name, check in STEP_FIELDS[kind].items():
+        if name not in step:
+            return f"{kind} step lacks field {name!r}"
+        problem = check(step[name])
+        if problem:
+            return f"{kind} step field {name!r}: {problem}"
+    return None
+
+
+def schedule_problem(steps: Any) -> str | None:
+    """Why `steps` is not a schedule this version can apply step by step, or None."""
+    if not isinstance(steps, (list, tuple)):
+        return f"a schedule must be a list of steps, got {type(steps).__name__}"
+    for i, step in enumerate(steps):
+        problem = step_problem(step)
+        if problem:
+            return f"schedule step {i}: {problem}"
+    return None
+
+
 def apply_step(state: State, step: Step, history: list[Step] = ()) -> State:
     """Apply one step; `history` (the steps before it) is needed by follow_split only."""
-    kind = step.get("kind")
-    if kind == "follow_split":
-        return _follow_split(state, state.stage(step["stage"]), step, list(history))
-    if kind not in _STEPS:
-        raise ScheduleError(f"unknown step kind {kind!r}; known: {sorted(_STEPS) + ['follow_split']}")
-    try:
-        return _STEPS[kind](state, state.stage(step["stage"]), step)
-    except KeyError as e:
-        raise ScheduleError(f"step {step} lacks field {e}") from None
+    problem = step_problem(step)
+    if problem:
+        raise ScheduleError(problem)
+    st = state.stage(step["stage"])
+    if step["kind"] == "follow_split":
+        return _follow_split(state, st, step, list(history))
+    return _STEPS[step["kind"]](state, st, step)
 
 
 def replay(dag: ComputeDAG, steps: list[Step]) -> State:
@@ -327,6 +399,7 @@ def steps_to_json(steps: list[Step]) -> str:
 
 def steps_from_json(s: str) -> list[Step]:
     steps = json.loads(s)
-    if not isinstance(steps, list) or not all(isinstance(x, dict) and "kind" in x for x in steps):
-        raise ScheduleError("a schedule is a JSON list of step objects, each with a 'kind'")
+    problem = schedule_problem(steps) if isinstance(steps, list) else "a schedule is a JSON list of steps"
+    if problem:
+        raise ScheduleError(problem)
     return steps

@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import subprocess
 from functools import lru_cache
 from typing import Any
@@ -25,7 +26,8 @@ def cpu_target(compiler: str = "gcc") -> dict[str, Any]:
     except OSError:
         pass
     try:
-        cc = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=10).stdout.splitlines()[0]
+        cc = subprocess.run([*shlex.split(compiler), "--version"], capture_output=True, text=True,
+                            timeout=10).stdout.splitlines()[0]
     except (OSError, IndexError, subprocess.TimeoutExpired):
         cc = "unknown"
     return {"kind": "cpu", "model": model, "isa": flags, "cores": os.cpu_count() or 1, "compiler": cc}

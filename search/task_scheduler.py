@@ -10,11 +10,11 @@ from typing import Any, Callable, Sequence
 
 from cost_model import XGBoostCostModel
 
-from .measure import MeasureOptions, ProgramMeasurer, best_run_s
+from .measure import MeasureOptions, ProgramMeasurer, best_run_s, check_fits_in_memory
 from .record import TuningRecord
 from .schedule import Step
 from .task import Task
-from .tune import TuneResult, _check_target, make_policy, open_db
+from .tune import TuneResult, _check_target, make_policy, measure_into, open_db
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ def tune_tasks(tasks: Sequence[Task], trials: int, weights: Sequence[float] | No
     if len(weights) != len(tasks):
         raise ValueError(f"tune_tasks: {len(weights)} weights for {len(tasks)} tasks")
     rng = random.Random(seed)
+    for t in tasks:
+        check_fits_in_memory(t)
     database, owned = open_db(db)
     measurers = [ProgramMeasurer(t, opts=measure_options) for t in tasks]
     shared = {"cost_model": XGBoostCostModel(seed=seed)} if policy == "evolutionary" else {}
@@ -97,10 +99,8 @@ def tune_tasks(tasks: Sequence[Task], trials: int, weights: Sequence[float] | No
             batch = policies[i].next_batch(min(batch_size, trials - used))
             if not batch:
                 break
-            recs = measurers[i].measure(batch)
-            database.add_many(recs)
+            recs = measure_into(database, measurers[i], batch, records[i])
             policies[i].update(batch, recs)
-            records[i] += recs
             used += len(recs)
             for r in recs:
                 if best_run_s(r) < best[i][0]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -12,7 +13,9 @@ import numpy as np
 from .backend import CBackend, call_kernel
 from .buffers import aligned_empty
 from .evolution import EvolutionarySearch, RandomSearch, SearchPolicy
-from .measure import MeasureOptions, ProgramMeasurer, best_run_s
+from .database import SkippedRecordsWarning
+from .measure import MeasureOptions, ProgramMeasurer, best_run_s, check_fits_in_memory
+from .mutation import checked_program
 from .record import TuningRecord
 from .schedule import Step, replay
 from .task import Task
@@ -47,6 +50,32 @@ class TuneResult:
         return min(lat, default=float("inf"))
 
 
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `tune`; every record measured so far is in the tuning DB, and `result`
+    holds them."""
+
+    def __init__(self, result: TuneResult):
+        super().__init__(f"tuning interrupted; {len(result.records)} records kept")
+        self.result = result
+
+
+def measure_into(database: Any, measurer: ProgramMeasurer, batch: list[list[Step]],
+                 done: list[TuningRecord]) -> list[TuningRecord]:
+    """Measure `batch`, committing each record to `database` and appending it to `done` as soon
+    as it is measured, so an interrupted run keeps every measurement; returns the batch's."""
+    recs = []
+    for r in measurer.measure_iter(batch):
+        try:
+            database.add(r)
+        except KeyboardInterrupt:  # the interrupted add was rolled back: store it, then stop
+            database.add(r)
+            done.append(r)
+            raise
+        recs.append(r)
+        done.append(r)
+    return recs
+
+
 def _check_target(target: str) -> None:
     if target not in TARGETS:
         raise ValueError(f"target {target!r} is not supported yet; use one of {TARGETS} "
@@ -62,6 +91,17 @@ def open_db(db: Any):
     return db, False
 
 
+def replayable(task: Task, records: list[TuningRecord]) -> list[TuningRecord]:
+    """`records` of `task` without the successful ones whose schedule does not lower on it (a
+    hand-edited file, another version's records): as search elites they would crash it."""
+    usable = [r for r in records if not r.ok or checked_program(task.dag, r.schedule) is not None]
+    if len(usable) < len(records):
+        warnings.warn(SkippedRecordsWarning(
+            f"left out {len(records) - len(usable)} stored records of {task} whose schedule does "
+            "not apply to it; `autopar db remove KEY` deletes a workload's records"), stacklevel=3)
+    return usable
+
+
 def make_policy(name: str, task: Task, seed: int = 0, **kw) -> SearchPolicy:
     if name == "evolutionary":
         return EvolutionarySearch(task, seed=seed, **kw)
@@ -75,48 +115,52 @@ def tune(task: Task, target: str = "cpu", trials: int = 64, db: Any = None, poli
          callback: Callable[[TuneResult], None] | None = None, warm_start: bool = True,
          transfer: bool = True) -> TuneResult:
     """Measure `trials` schedules chosen by `policy`, adding each record to the tuning DB as
-    soon as its batch is measured (an interrupted run keeps them). With `warm_start`, records
-    of this task already in the DB seed the cost model and the population; with `transfer`,
-    the DB's records of other tasks on this target pre-train the cost model."""
+    soon as it is measured. Ctrl-C raises TuneInterrupted (a KeyboardInterrupt) whose result
+    holds every record measured, all of them stored. With `warm_start`, records of this task
+    already in the DB seed the cost model and the population; with `transfer`, the DB's
+    records of other tasks on this target pre-train the cost model."""
     _check_target(target)
     if not isinstance(task, Task):
         raise TypeError(f"tune: expected a search.Task, got {type(task).__name__}; build one with "
                         f"Task.matmul(...) or Task.from_op(...)")
     if trials < 1 or batch_size < 1:
         raise ValueError(f"tune: trials ({trials}) and batch_size ({batch_size}) must be positive")
-    database, owned = open_db(db)
-    measurer = ProgramMeasurer(task, opts=measure_options)
+    check_fits_in_memory(task)
     pol = make_policy(policy, task, seed)
+    measurer = ProgramMeasurer(task, opts=measure_options)  # starts nothing yet
+    database, owned = open_db(db)
     t0 = time.perf_counter()
     records: list[TuningRecord] = []
     history: list[tuple[int, float, float]] = []
-    best: tuple[float, list[Step] | None] = (float("inf"), None)
+
+    def result() -> TuneResult:
+        fastest = min(records, key=best_run_s, default=None)
+        return TuneResult(task, fastest.schedule if fastest and fastest.ok else None,
+                          best_run_s(fastest) if fastest else float("inf"), list(records),
+                          time.perf_counter() - t0, list(history))
+
     try:
         if transfer and hasattr(pol, "learn_from"):
             pol.learn_from(database.records(target_key=measurer.target_key))
         if warm_start:
-            old = [r for r in database.records(task.workload_key, measurer.target_key)]
+            old = replayable(task, database.records(task.workload_key, measurer.target_key))
             if old:
                 pol.update([r.schedule for r in old], old)
         while len(records) < trials:
             batch = pol.next_batch(min(batch_size, trials - len(records)))
             if not batch:
                 break
-            recs = measurer.measure(batch)
-            database.add_many(recs)
-            pol.update(batch, recs)
-            records += recs
-            for r in recs:
-                if best_run_s(r) < best[0]:
-                    best = (best_run_s(r), r.schedule)
-            history.append((len(records), best[0], time.perf_counter() - t0))
+            pol.update(batch, measure_into(database, measurer, batch, records))
+            history.append((len(records), result().best_latency_s, time.perf_counter() - t0))
             if callback is not None:
-                callback(TuneResult(task, best[1], best[0], list(records), time.perf_counter() - t0, list(history)))
+                callback(result())
+    except KeyboardInterrupt:
+        raise TuneInterrupted(result()) from None
     finally:
         measurer.close()
         if owned:
             database.close()
-    return TuneResult(task, best[1], best[0], records, time.perf_counter() - t0, history)
+    return result()
 
 
 class Kernel:
@@ -167,7 +211,7 @@ def best_schedule(task: Task, db: Any = None, target: str = "cpu") -> list[Step]
     _check_target(target)
     database, owned = open_db(db)
     try:
-        recs = [r for r in database.records(task.workload_key, CBackend().target_key()) if r.ok]
+        recs = [r for r in replayable(task, database.records(task.workload_key, CBackend().target_key())) if r.ok]
     finally:
         if owned:
             database.close()

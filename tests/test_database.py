@@ -17,7 +17,7 @@ import pytest
 
 from autopar.commands import db as db_command
 from search.database import (
-    APPLICATION_ID, SCHEMA_VERSION, TuningDB, TuningDBError, default_db_path,
+    APPLICATION_ID, SCHEMA_VERSION, ImportReport, TuningDB, TuningDBError, default_db_path,
 )
 from search.record import TuningRecord
 
@@ -30,7 +30,7 @@ def make_record(workload: str, target: str = "cpu-a", latencies=(1e-3,), error=N
         task=kw.pop("task", {"op": "matmul", "shape": [64, 64, 64], "flops": 2 * 64**3}),
         target_key=target,
         target={"cpu": "Test CPU", "isa": ["avx2", "fma"], "compiler": "cc 12"},
-        schedule=kw.pop("schedule", [{"kind": "split", "loop": "i", "factors": [8, 8]}]),
+        schedule=kw.pop("schedule", [{"kind": "split", "stage": "C", "iter": "i", "factors": [8, 8]}]),
         latencies_s=tuple(latencies),
         error=error,
         timestamp=kw.pop("timestamp", 1.7e9),
@@ -38,6 +38,11 @@ def make_record(workload: str, target: str = "cpu-a", latencies=(1e-3,), error=N
         library_version="0.1.0",
         extra=kw.pop("extra", {}),
     )
+
+
+def unroll(i: int) -> dict:
+    """A schedule step that tells records apart by one number."""
+    return {"kind": "pragma", "stage": "C", "auto_unroll_max_step": i}
 
 
 def random_records(rng: random.Random, n: int) -> list[TuningRecord]:
@@ -49,7 +54,7 @@ def random_records(rng: random.Random, n: int) -> list[TuningRecord]:
             records.append(make_record(workload, target, (), error=f"build failed #{i}"))
         else:
             lat = [rng.uniform(1e-4, 1e-2) for _ in range(rng.randint(1, 5))]
-            records.append(make_record(workload, target, lat, schedule=[{"kind": "tile", "i": i}]))
+            records.append(make_record(workload, target, lat, schedule=[unroll(i)]))
     return records
 
 
@@ -162,7 +167,8 @@ print("ready", flush=True)
 while not os.path.exists(go):
     time.sleep(0.005)
 for i in range(n):
-    db.add(TuningRecord(f"w{proc}", {}, "cpu", {}, [{"i": i}], (1e-3 * (i + 1),)))
+    db.add(TuningRecord(f"w{proc}", {}, "cpu", {}, [{"kind": "pragma", "stage": "C", "auto_unroll_max_step": i}],
+                        (1e-3 * (i + 1),)))
 db.close()
 print("done", flush=True)
 """
@@ -184,7 +190,7 @@ def test_concurrent_writers_lose_nothing(tmp_path):
             if p.poll() is None:
                 p.kill()
     with TuningDB(path) as db:
-        got = sorted((r.workload_key, r.schedule[0]["i"]) for r in db.records())
+        got = sorted((r.workload_key, r.schedule[0]["auto_unroll_max_step"]) for r in db.records())
     assert got == sorted((f"w{p}", i) for p in range(n_procs) for i in range(n))
 
 
@@ -194,7 +200,7 @@ from search.database import TuningDB
 from search.record import TuningRecord
 db = TuningDB(sys.argv[1])
 for i in range(1_000_000):
-    db.add(TuningRecord("w", {}, "cpu", {}, [{"i": i}], (1e-3,)))
+    db.add(TuningRecord("w", {}, "cpu", {}, [{"kind": "pragma", "stage": "C", "auto_unroll_max_step": i}], (1e-3,)))
     print(i + 1, flush=True)
 """
 
@@ -215,7 +221,7 @@ def test_killed_writer_keeps_every_record_reported(tmp_path):
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
     with TuningDB(path) as db:
-        got = [r.schedule[0]["i"] for r in db.records()]
+        got = [r.schedule[0]["auto_unroll_max_step"] for r in db.records()]
         assert len(got) >= k and got == list(range(len(got)))  # a prefix, nothing torn
         db.add(make_record("after-kill"))  # still writable
     conn = sqlite3.connect(path)
@@ -274,7 +280,7 @@ def test_foreign_or_corrupt_file_is_refused_and_untouched(tmp_path, make_file, m
         TuningDB(path)
     assert str(path) in str(info.value) and "--db" in str(info.value)
     assert path.read_bytes() == before
-    assert db_command.run(argparse.Namespace(db_command="list", db=str(path), target=None)) == 1
+    assert db_command.run(argparse.Namespace(db_command="list", db=str(path), target=None)) == 2
     assert path.read_bytes() == before
 
 
@@ -310,8 +316,8 @@ def test_export_import_round_trip(tmp_path):
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
     assert [TuningRecord.from_json(line) for line in lines] == records
     with TuningDB(tmp_path / "b.db") as b:
-        assert b.import_jsonl(tmp_path / "out.jsonl") == 50
-        assert b.import_jsonl(tmp_path / "out.jsonl") == 0  # exact duplicates skipped
+        assert b.import_jsonl(tmp_path / "out.jsonl") == ImportReport(added=50, duplicates=0)
+        assert b.import_jsonl(tmp_path / "out.jsonl") == ImportReport(added=0, duplicates=50)
         assert b.records() == records
         assert b.export_jsonl(tmp_path / "again.jsonl") == 50
     assert (tmp_path / "again.jsonl").read_bytes() == (tmp_path / "out.jsonl").read_bytes()
@@ -368,7 +374,7 @@ def test_cli_list_show_export_import(tmp_path, capsys):
         db.add(make_record("matmul_128_fp32", latencies=(4e-3, 2e-3, 3e-3), task={"flops": flops}))
         db.add(make_record("matmul_128_fp32", latencies=(), error="timeout", task={"flops": flops}))
         db.add(make_record("softmax_1024", latencies=(1e-5,), task={"rows": 1024},
-                           schedule=[{"kind": "vectorize", "loop": "j", "width": 8}]))
+                           schedule=[{"kind": "annotate", "stage": "out", "iter": "j", "ann": "vectorize"}]))
     assert run_cli(["list", "--db", path]) == 0
     out = capsys.readouterr().out
     assert "matmul_128_fp32" in out and "softmax_1024" in out
@@ -376,7 +382,7 @@ def test_cli_list_show_export_import(tmp_path, capsys):
 
     assert run_cli(["--db", path, "show", "softmax"]) == 0  # a unique prefix works
     out = capsys.readouterr().out
-    assert "softmax_1024" in out and 'vectorize(loop="j", width=8)' in out
+    assert "softmax_1024" in out and 'annotate(ann="vectorize", iter="j", stage="out")' in out
 
     assert run_cli(["show", "conv2d", "--db", path]) == 1
     assert "no workload 'conv2d'" in capsys.readouterr().err
@@ -393,6 +399,6 @@ def test_cli_list_show_export_import(tmp_path, capsys):
     assert run_cli(["import", str(tmp_path / "bad.jsonl"), "--db", new]) == 1
     assert "line 1" in capsys.readouterr().err
 
-    assert run_cli(["list", "--db", str(tmp_path / "absent.db")]) == 1
+    assert run_cli(["list", "--db", str(tmp_path / "absent.db")]) == 2
     assert "no tuning database" in capsys.readouterr().err
     assert not (tmp_path / "absent.db").exists()

@@ -58,3 +58,41 @@ def test_cli_no_transfer_reaches_tune(tmp_path, monkeypatch):
             "--db", str(tmp_path / "db.sqlite")]
     assert tune_cmd.run(p.parse_args(base + ["--no-transfer"])) == 0 and seen["transfer"] is False
     assert tune_cmd.run(p.parse_args(base)) == 0 and seen["transfer"] is True
+
+
+def test_ctrl_c_keeps_every_measured_record(tmp_path):
+    """Ctrl-C reaches the whole foreground process group. It used to print the runner's
+    KeyboardInterrupt traceback and lose the batch being measured."""
+    import os
+    import pathlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    db_path = tmp_path / "db.sqlite"
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autopar.cli", "tune", "--task", "softmax", "--shape", "64,256", "--trials", "200",
+         "--batch-size", "16", "--db", str(db_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=str(repo)))
+    try:
+        seen, deadline = 0, time.monotonic() + 120
+        while seen < 5 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            if db_path.exists():
+                with TuningDB(str(db_path)) as db:
+                    seen = len(db)
+        assert seen >= 5, proc.stderr.read()
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    kept = int(err.split("interrupted; ")[1].split(" records kept")[0])
+    with TuningDB(str(db_path)) as db:  # records are stored one by one, not per batch of 16
+        assert len(db) == kept >= seen

@@ -1,4 +1,5 @@
-"""`autopar db {list,show,export,import}`: inspect and share the kernel tuning database."""
+"""`autopar db {list,show,export,import,remove}`: inspect, share and clean the kernel tuning
+database."""
 from __future__ import annotations
 
 import argparse
@@ -7,19 +8,22 @@ import difflib
 import json
 import math
 import sys
+import warnings
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from search.database import ENV_VAR, TuningDB, TuningDBError, default_db_path
+from search.database import (
+    ENV_VAR, SkippedRecordsWarning, TuningDB, TuningDBError, default_db_path, summarize_problems,
+)
 from search.record import TuningRecord
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `db` subcommands to `parser` (the parser of `autopar db`)."""
     _add_db_option(parser, default=None)
-    sub = parser.add_subparsers(dest="db_command", metavar="{list,show,export,import}")
+    sub = parser.add_subparsers(dest="db_command", metavar="{list,show,export,import,remove}")
     sub.required = True
     p = sub.add_parser("list", help="table of tuned workloads: records, best latency, GFLOP/s")
     _add_db_option(p)
@@ -31,28 +35,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("export", help="write records as JSON lines, for another machine")
     p.add_argument("out", metavar="OUT.jsonl", help="file to write (replaced atomically)")
     p.add_argument("--workload", default=None, help="export only this workload key")
+    p.add_argument("--salvage", action="store_true",
+                   help="read a damaged database read-only and export every record still readable")
     _add_db_option(p)
     _add_target_option(p)
     p = sub.add_parser("import", help="add records from a JSON-lines file, skipping duplicates")
     p.add_argument("src", metavar="IN.jsonl", help="file written by `autopar db export`")
     _add_db_option(p)
+    p = sub.add_parser("remove", help="delete the records of a workload, or the invalid ones")
+    p.add_argument("key", nargs="?", default=None, help="workload key (exact) whose records to delete")
+    p.add_argument("--invalid", action="store_true",
+                   help="delete only records that fail validation (with KEY: only that workload's)")
+    p.add_argument("--dry-run", action="store_true", help="count what would be deleted; delete nothing")
+    _add_db_option(p)
+    _add_target_option(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run one `autopar db` subcommand; returns the process exit code (0 ok, 1 error)."""
+    """Run one `autopar db` subcommand; returns the process exit code: 0 ok, 1 the operation
+    failed, 2 a usage error (including a --db file that cannot be used)."""
     command = getattr(args, "db_command", None)
-    handlers = {"list": _list, "show": _show, "export": _export, "import": _import}
+    handlers = {"list": _list, "show": _show, "export": _export, "import": _import, "remove": _remove}
     if command not in handlers:
-        print(f"autopar db: error: choose one of {', '.join(handlers)}", file=sys.stderr)
-        return 2
-    path = getattr(args, "db", None)
+        return _error("db", f"choose one of {', '.join(handlers)}", 2)
+    if command == "remove" and args.key is None and not args.invalid:
+        return _error("db remove", "name a workload KEY, or pass --invalid", 2)
     try:
         # Reading commands never create a database file; import creates one if needed.
-        with TuningDB(path, create=command == "import") as db:
-            return handlers[command](db, args)
+        db = TuningDB(getattr(args, "db", None), create=command == "import",
+                      salvage=getattr(args, "salvage", False))
     except TuningDBError as e:
-        print(f"autopar db {command}: error: {e}", file=sys.stderr)
-        return 1
+        return _error(f"db {command}", str(e), 2)
+    with db, warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedRecordsWarning)  # said once, below
+        try:
+            code = handlers[command](db, args)
+        except TuningDBError as e:
+            return _error(f"db {command}", str(e), 1)
+        if db.skipped and command != "remove":
+            print(f"autopar db {command}: note: left out {summarize_problems(db.skipped.values())}; "
+                  f"`autopar db remove --invalid --db '{db.path}'` deletes them", file=sys.stderr)
+        return code
+
+
+def _error(command: str, message: str, code: int) -> int:
+    """Print one line `autopar COMMAND: error: MESSAGE` on stderr; returns the exit code."""
+    print(f"autopar {command}: error: {message}", file=sys.stderr)
+    return code
 
 
 def _add_db_option(parser: argparse.ArgumentParser, default: Any = argparse.SUPPRESS) -> None:
@@ -134,12 +163,44 @@ def _export(db: TuningDB, args: argparse.Namespace) -> int:
     n = db.export_jsonl(args.out, workload_key=getattr(args, "workload", None),
                         target_key=getattr(args, "target", None))
     print(f"exported {n} records from {db.path} to {args.out}")
+    for first, last in db.unreadable:
+        where = f"ids {first} to {last}" if last is not None else f"ids from {first} on"
+        print(f"autopar db export: note: records with {where} sit on damaged pages and were "
+              "not exported", file=sys.stderr)
     return 0
 
 
 def _import(db: TuningDB, args: argparse.Namespace) -> int:
-    n = db.import_jsonl(args.src)
-    print(f"imported {n} new records from {args.src} into {db.path} (exact duplicates skipped)")
+    report = db.import_jsonl(args.src)
+    print(f"imported {report.added} new records from {args.src} into {db.path} "
+          f"({report.duplicates} exact duplicates skipped)")
+    if report.invalid:
+        lines = ", ".join(str(number) for number, _ in report.invalid[:10])
+        more = ", ..." if len(report.invalid) > 10 else ""
+        print(f"autopar db import: note: skipped "
+              f"{summarize_problems(problem for _, problem in report.invalid)} "
+              f"on lines {lines}{more}", file=sys.stderr)
+    return 0
+
+
+def _remove(db: TuningDB, args: argparse.Namespace) -> int:
+    target = getattr(args, "target", None)
+    found = db.remove(args.key, target, invalid_only=args.invalid, dry_run=args.dry_run)
+    what = "invalid records" if args.invalid else "records"
+    scope = (f" of {args.key}" if args.key else "") + (f" on target {target}" if target else "")
+    if not found:
+        if args.key is not None and not args.invalid:
+            raise TuningDBError(f"no records of workload {args.key!r} in {db.path}"
+                                f"{_suggestion(db, args.key, target)}")
+        print(f"no {what}{scope} in {db.path}; nothing to remove")
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{verb} {len(found)} {what}{scope} from {db.path}")
+    problems = [p for _, p in found if p is not None]
+    if problems:
+        print(f"  {summarize_problems(problems)}")
+    if args.dry_run:
+        print("dry run: nothing was deleted; run again without --dry-run to delete them")
     return 0
 
 
@@ -156,10 +217,14 @@ def _resolve_key(db: TuningDB, key: str, target: str | None) -> str:
             f"{key!r} is the start of {len(prefixed)} workload keys ({', '.join(prefixed[:5])}"
             f"{', ...' if len(prefixed) > 5 else ''}); give more of the key"
         )
-    close = difflib.get_close_matches(key, keys, n=3)
-    hint = f"; did you mean {' or '.join(close)}?" if close else "; `autopar db list` shows them"
     where = f" for target {target}" if target else ""
-    raise TuningDBError(f"no workload {key!r} in {db.path}{where}{hint}")
+    raise TuningDBError(f"no workload {key!r} in {db.path}{where}{_suggestion(db, key, target)}")
+
+
+def _suggestion(db: TuningDB, key: str, target: str | None) -> str:
+    """'; did you mean ...?' with the closest workload keys, or where to see them."""
+    close = difflib.get_close_matches(key, [k for k, _, _ in db.workloads(target_key=target)], n=3)
+    return f"; did you mean {' or '.join(close)}?" if close else "; `autopar db list` shows them"
 
 
 def _format_seconds(seconds: float) -> str:

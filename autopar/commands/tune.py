@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 # task -> (shape fields in --shape order, optional trailing fields)
 SHAPES = {
@@ -61,21 +62,58 @@ def parse_task(task: str, shape: str, epilogue: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Tune one kernel; exit code 0 ok, 1 no valid kernel or no compiler, 2 a usage error (bad
+    shape or counts, a task too large for this machine, a --db that cannot be used), 130 on
+    Ctrl-C (every record measured so far is kept)."""
+    import search
+    from search.backend import CBackend, CompilerNotFoundError
+    from search.database import SkippedRecordsWarning, TuningDB, TuningDBError, summarize_problems
+    from search.measure import check_fits_in_memory
+    from search.tune import TuneInterrupted
+
+    try:
+        task = parse_task(args.task, args.shape, args.epilogue)
+        for name in ("trials", "batch_size"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+        check_fits_in_memory(task)
+        db = TuningDB(args.db)
+    except (ValueError, TuningDBError) as e:
+        return _error(str(e), 2)
+    with db, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SkippedRecordsWarning)
+        try:
+            CBackend().target()  # the compiler, before anything starts
+            res = _tune_with_progress(search, task, db, args)
+        except CompilerNotFoundError as e:
+            return _error(str(e), 1)
+        except TuneInterrupted as e:
+            print(f"autopar tune: interrupted; {len(e.result.records)} records kept in {db.path} "
+                  "(every measurement of this run)", file=sys.stderr)
+            return 130
+        finally:
+            notes = [str(w.message) for w in caught if issubclass(w.category, SkippedRecordsWarning)]
+            for note in dict.fromkeys(notes):
+                print(f"autopar tune: note: {note}", file=sys.stderr)
+    n_err = sum(1 for r in res.records if not r.ok)
+    if res.best_schedule is None:
+        errors = summarize_problems((r.error or "no latencies" for r in res.records), "failed trial")
+        return _error(f"no valid kernel in {res.trials} trials: {errors}", 1)
+    print(f"{task.workload_key}: best {res.best_latency_s * 1e3:.4f} ms, {res.best_gflops:.2f} GFLOP/s after "
+          f"{res.trials} trials ({n_err} failed) in {res.tuning_time_s:.1f} s")
+    if args.show_source:
+        print(search.build(task, res.best_schedule).source)
+    return 0
+
+
+def _tune_with_progress(search, task, db, args: argparse.Namespace):
+    """search.tune with a progress bar on stderr."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    import search
-
     console = Console(stderr=True)
-    try:
-        task = parse_task(args.task, args.shape, args.epilogue)
-        if args.trials < 1:
-            raise ValueError(f"--trials must be positive, got {args.trials}")
-    except ValueError as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
     console.print(f"tuning [bold]{task.workload_key}[/bold] ({task.flops / 1e9:.3f} GFLOP) "
-                  f"with {args.policy} search, {args.trials} trials")
+                  f"with {args.policy} search, {args.trials} trials", markup=True, highlight=False)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[status]}"), console=console) as bar:
         tid = bar.add_task("trials", total=args.trials, status="")
@@ -85,23 +123,14 @@ def run(args: argparse.Namespace) -> int:
                       if r.best_schedule else "no valid kernel yet")
             bar.update(tid, completed=r.trials, status=status)
 
-        try:
-            res = search.tune(task, trials=args.trials, db=args.db, policy=args.policy,
-                              batch_size=args.batch_size, seed=args.seed, callback=on_batch,
-                              transfer=args.transfer)
-        except KeyboardInterrupt:
-            console.print("interrupted: every measured batch is already in the tuning database")
-            return 130
-    n_err = sum(1 for r in res.records if not r.ok)
-    if res.best_schedule is None:
-        console.print(f"[red]no valid kernel in {res.trials} trials[/red] ({n_err} errors); first error: "
-                      f"{res.records[0].error if res.records else 'none'}")
-        return 1
-    print(f"{task.workload_key}: best {res.best_latency_s * 1e3:.4f} ms, {res.best_gflops:.2f} GFLOP/s after "
-          f"{res.trials} trials ({n_err} failed) in {res.tuning_time_s:.1f} s")
-    if args.show_source:
-        print(search.build(task, res.best_schedule).source)
-    return 0
+        return search.tune(task, trials=args.trials, db=db, policy=args.policy, batch_size=args.batch_size,
+                           seed=args.seed, callback=on_batch, transfer=args.transfer)
+
+
+def _error(message: str, code: int) -> int:
+    """One line `autopar tune: error: MESSAGE` on stderr; returns the exit code."""
+    print(f"autopar tune: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
