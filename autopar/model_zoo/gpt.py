@@ -1,4 +1,4 @@
-"""Built-in model families (flax.linen) and their train steps, for the demo, the CLI and benchmarks."""
+"""GPT (decoder-only transformer LM, as in Alpa's GPT-3 benchmark) and its train step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
