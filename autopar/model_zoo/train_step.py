@@ -1,0 +1,54 @@
+"""The train step every model family uses, and the (train_step, state, batch) triple built around it."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from autopar.pipeline.grad import value_and_grad
+
+
+def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:
+    """step(state, batch) -> (new_state, loss) with state = (params, opt_state)."""
+    def step(state, batch):
+        params, opt_state = state
+        # autopar's value_and_grad is jax's, but lets pipelines and remat find the loss
+        loss, grads = value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+    return step
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy over integer labels, in float32 whatever the compute dtype."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+
+
+def concrete_setup(model: nn.Module, loss_fn: Callable, optimizer: optax.GradientTransformation | None,
+                   batch: tuple[jax.Array, jax.Array], init_key: jax.Array) -> tuple[Callable, Any, Any]:
+    """(train_step, state, batch) with parameters initialised on the batch's inputs (adamw(1e-3) by default)."""
+    optimizer = optimizer or optax.adamw(1e-3)
+    params = model.init(init_key, batch[0])["params"]
+    return make_train_step(loss_fn, optimizer), (params, optimizer.init(params)), batch
+
+
+def abstract_setup(model: nn.Module, loss_fn: Callable, optimizer: optax.GradientTransformation | None,
+                   batch: tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]) -> tuple[Callable, Any, Any]:
+    """(train_step, state, batch) as ShapeDtypeStructs: plan a model too big to materialise."""
+    optimizer = optimizer or optax.adamw(1e-3)
+    params = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x)["params"], batch[0])
+    return make_train_step(loss_fn, optimizer), (params, jax.eval_shape(optimizer.init, params)), batch
+
+
+def token_batch(vocab: int, batch: int, seq: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Random tokens and their next-token targets (the sequence shifted by one, wrapped)."""
+    tokens = jax.random.randint(key, (batch, seq), 0, vocab)
+    return tokens, jnp.roll(tokens, -1, axis=1)
+
+
+def abstract_token_batch(batch: int, seq: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    return tokens, tokens
