@@ -5,15 +5,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import optax
 
-from autopar.model_zoo.train_step import (abstract_setup, abstract_token_batch, concrete_setup, make_train_step,
-                                          token_batch)
+from autopar.model_zoo.train_step import abstract_language_model_setup, language_model_setup
 from autopar.model_zoo.transformer import causal_attention, dense_ffn
-
-__all__ = ["GPT", "Block", "GPTConfig", "gpt_abstract_setup", "gpt_loss", "gpt_setup", "make_train_step"]
 
 
 @dataclass(frozen=True)
@@ -86,11 +82,11 @@ def gpt_loss(model: GPT) -> Callable:
 def gpt_setup(cfg: GPTConfig, optimizer: optax.GradientTransformation | None = None, seed: int = 0):
     """(train_step, state, batch) for a GPT config, with concrete random data."""
     model = GPT(cfg)
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    return concrete_setup(model, gpt_loss(model), optimizer, token_batch(cfg.vocab, cfg.batch, cfg.seq, k1), k2)
+    # an eager init keeps the parameters bit-identical to those of earlier versions
+    return language_model_setup(model, gpt_loss(model), cfg, optimizer, seed, jit_init=False)
 
 
 def gpt_abstract_setup(cfg: GPTConfig, optimizer: optax.GradientTransformation | None = None):
     """(train_step, state, batch) as ShapeDtypeStructs: plan a model too big to materialise."""
     model = GPT(cfg)
-    return abstract_setup(model, gpt_loss(model), optimizer, abstract_token_batch(cfg.batch, cfg.seq))
+    return abstract_language_model_setup(model, gpt_loss(model), cfg, optimizer)

@@ -28,10 +28,15 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def concrete_setup(model: nn.Module, loss_fn: Callable, optimizer: optax.GradientTransformation | None,
-                   batch: tuple[jax.Array, jax.Array], init_key: jax.Array) -> tuple[Callable, Any, Any]:
-    """(train_step, state, batch) with parameters initialised on the batch's inputs (adamw(1e-3) by default)."""
+                   batch: tuple[jax.Array, jax.Array], init_key: jax.Array,
+                   jit_init: bool = True) -> tuple[Callable, Any, Any]:
+    """(train_step, state, batch) with parameters initialised on the batch's inputs (adamw(1e-3) by default).
+
+    `jit_init` compiles the initialisation as one program (eagerly, every op compiles on its
+    own: seconds per model); the numbers differ from an eager init in the last bits.
+    """
     optimizer = optimizer or optax.adamw(1e-3)
-    params = model.init(init_key, batch[0])["params"]
+    params = (jax.jit(model.init) if jit_init else model.init)(init_key, batch[0])["params"]
     return make_train_step(loss_fn, optimizer), (params, optimizer.init(params)), batch
 
 
@@ -43,12 +48,16 @@ def abstract_setup(model: nn.Module, loss_fn: Callable, optimizer: optax.Gradien
     return make_train_step(loss_fn, optimizer), (params, jax.eval_shape(optimizer.init, params)), batch
 
 
-def token_batch(vocab: int, batch: int, seq: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Random tokens and their next-token targets (the sequence shifted by one, wrapped)."""
-    tokens = jax.random.randint(key, (batch, seq), 0, vocab)
-    return tokens, jnp.roll(tokens, -1, axis=1)
+def language_model_setup(model: nn.Module, loss_fn: Callable, cfg: Any, optimizer: optax.GradientTransformation | None,
+                         seed: int, jit_init: bool = True) -> tuple[Callable, Any, Any]:
+    """concrete_setup on random tokens [cfg.batch, cfg.seq] < cfg.vocab, targets = the next token (wrapped)."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    tokens = jax.random.randint(k1, (cfg.batch, cfg.seq), 0, cfg.vocab)
+    return concrete_setup(model, loss_fn, optimizer, (tokens, jnp.roll(tokens, -1, axis=1)), k2, jit_init)
 
 
-def abstract_token_batch(batch: int, seq: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    return tokens, tokens
+def abstract_language_model_setup(model: nn.Module, loss_fn: Callable, cfg: Any,
+                                  optimizer: optax.GradientTransformation | None) -> tuple[Callable, Any, Any]:
+    """abstract_setup on int32 tokens [cfg.batch, cfg.seq] (the targets have the same shape)."""
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32)
+    return abstract_setup(model, loss_fn, optimizer, (tokens, tokens))
