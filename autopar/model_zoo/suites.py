@@ -5,7 +5,8 @@ Model sizes grow with the device count, 1 to 64 A100s (8 per host). Sources:
 - GShard MoE: Alpa Table 4 (0.38B ... 70B, global batch 1024, FP16); the shapes per size
   are those of Alpa's benchmark scripts (alpa-projects/alpa, benchmark/alpa/suite_manual_moe.py
   `moe_specs`, used by suite_auto_moe.py): seq 1024, vocab 32000, 16 heads, expert group
-  2048 tokens, FFN width 8 x hidden, every other layer MoE. Not found in the paper or the
+  2048 tokens; FFN width 8 x hidden, tied embedding and every other layer MoE as counted by
+  `compute_moe_parameter_count` in benchmark/alpa/util.py. Not found in the paper or the
   scripts, so chosen here: capacity factor 2 (GShard's 2S/E slots per expert) and the
   load-balancing weight 0.01.
 - Wide-ResNet: Alpa Table 4 (0.25B ... 13B, global batch 1536, FP32); shapes per size from
