@@ -21,16 +21,15 @@ from dataclasses import replace
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from autopar.cluster import Cluster                                   # noqa: E402
+from autopar.model_zoo.suites import GPT_SUITE                        # noqa: E402
 from autopar.pipeline.method import PipeshardParallel                  # noqa: E402
 from autopar.pipeline.planner import in_flight, plan_layers            # noqa: E402
 from autopar.pipeline.stage_cost import (LayerProfile, device_model_from_cluster,  # noqa: E402
                                          roofline_stage_cost)
 
-SEQ, VOCAB, GLOBAL_BATCH = 1024, 51200, 1024
-# name, layers, hidden, heads, devices (Alpa, OSDI'22, Table 4)
-CONFIGS = [("GPT-350M", 24, 1024, 16, 1), ("GPT-1.3B", 24, 2048, 32, 4),
-           ("GPT-2.6B", 32, 2560, 32, 8), ("GPT-6.7B", 32, 4096, 32, 16),
-           ("GPT-15B", 48, 5120, 40, 32), ("GPT-39B", 48, 8192, 64, 64)]
+SEQ, VOCAB, GLOBAL_BATCH = GPT_SUITE[0].model.seq, GPT_SUITE[0].model.vocab, GPT_SUITE[0].model.batch
+# name, layers, hidden, heads, devices (Alpa, OSDI'22, Table 4; autopar/model_zoo/suites.py)
+CONFIGS = [(c.name, c.model.layers, c.model.hidden, c.model.heads, c.devices) for c in GPT_SUITE]
 BYTES = 2                      # fp16 weights and activations
 STATE_PER_PARAM_BYTE = 8.0     # mixed-precision Adam: 16 bytes per parameter / 2
 

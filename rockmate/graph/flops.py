@@ -2,7 +2,8 @@
 
 Conventions (documented in docs/graph.md): a multiply-add is 2 FLOPs; every elementwise
 op, transcendental ones included (exp, log, tanh, logistic, erf, ...), is 1 FLOP per
-output element; a reduction is 1 FLOP per input element; data movement (reshape,
+output element; a reduction is 1 FLOP per input element; a conv's taps on the holes of an
+lhs-dilated input are not counted (see `conv_flops`); data movement (reshape,
 transpose, slice, gather, convert, broadcast, ...) is 0 FLOPs. Bytes accessed are the
 bytes of all inputs plus all outputs, as if nothing were fused.
 """
@@ -44,11 +45,18 @@ def dot_general_flops(params: Mapping[str, Any], lhs: TensorSpec, out: TensorSpe
 
 
 def conv_flops(params: Mapping[str, Any], rhs: TensorSpec, out: TensorSpec) -> float:
-    """2 x output elements x (kernel spatial size x input features per group)."""
+    """2 x output elements x (kernel spatial size x input features per group) / lhs dilation.
+
+    An lhs-dilated conv (the input gradient of a strided conv) slides its window over an
+    input with holes; taps that land on a hole multiply a zero that no kernel computes, so
+    only 1 / prod(lhs_dilation) of the window counts, which makes a strided conv's input
+    gradient cost what its forward pass does.
+    """
     dn = params["dimension_numbers"]
     out_feature_dim = dn.rhs_spec[0]  # ConvDimensionNumbers: rhs_spec = (O, I, spatial...)
     per_output = rhs.size // max(rhs.shape[out_feature_dim], 1)
-    return 2.0 * out.size * per_output
+    holes = float(np.prod(params.get("lhs_dilation") or (1,)))
+    return 2.0 * out.size * per_output / holes
 
 
 def op_flops(

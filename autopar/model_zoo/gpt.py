@@ -1,15 +1,15 @@
-"""Built-in model families (flax.linen) and their train steps, for the demo, the CLI and benchmarks."""
+"""GPT (decoder-only transformer LM, as in Alpa's GPT-3 benchmark) and its train step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import optax
 
-from autopar.pipeline.grad import value_and_grad
+from autopar.model_zoo.train_step import abstract_language_model_setup, language_model_setup
+from autopar.model_zoo.transformer import causal_attention, dense_ffn
 
 
 @dataclass(frozen=True)
@@ -40,23 +40,8 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        c = self.cfg
-        b, t, d = x.shape
-        h = nn.LayerNorm(dtype=c.dtype)(x)
-        qkv = nn.Dense(3 * d, dtype=c.dtype, name="qkv")(h)
-        q, k, v = jnp.split(qkv, 3, axis=-1)
-        hd = d // c.heads
-        q, k, v = (z.reshape(b, t, c.heads, hd) for z in (q, k, v))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(c.dtype)
-        mask = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(mask, scores, jnp.finfo(c.dtype).min)
-        att = jax.nn.softmax(scores, axis=-1)
-        o = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d)
-        x = x + nn.Dense(d, dtype=c.dtype, name="proj")(o)
-        h = nn.LayerNorm(dtype=c.dtype)(x)
-        h = nn.Dense(4 * d, dtype=c.dtype, name="fc1")(h)
-        h = jax.nn.gelu(h)
-        return x + nn.Dense(d, dtype=c.dtype, name="fc2")(h)
+        x = causal_attention(x, self.cfg.heads, self.cfg.dtype)
+        return dense_ffn(x, 4 * x.shape[-1], self.cfg.dtype)
 
 
 class ScanBlock(nn.Module):
@@ -94,34 +79,14 @@ def gpt_loss(model: GPT) -> Callable:
     return loss
 
 
-def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:
-    """step(state, batch) -> (new_state, loss) with state = (params, opt_state)."""
-    def step(state, batch):
-        params, opt_state = state
-        # autopar's value_and_grad is jax's, but lets pipelines and remat find the loss
-        loss, grads = value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-    return step
-
-
 def gpt_setup(cfg: GPTConfig, optimizer: optax.GradientTransformation | None = None, seed: int = 0):
     """(train_step, state, batch) for a GPT config, with concrete random data."""
     model = GPT(cfg)
-    optimizer = optimizer or optax.adamw(1e-3)
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    tokens = jax.random.randint(k1, (cfg.batch, cfg.seq), 0, cfg.vocab)
-    targets = jnp.roll(tokens, -1, axis=1)
-    params = model.init(k2, tokens)["params"]
-    state = (params, optimizer.init(params))
-    return make_train_step(gpt_loss(model), optimizer), state, (tokens, targets)
+    # an eager init keeps the parameters bit-identical to those of earlier versions
+    return language_model_setup(model, gpt_loss(model), cfg, optimizer, seed, jit_init=False)
 
 
 def gpt_abstract_setup(cfg: GPTConfig, optimizer: optax.GradientTransformation | None = None):
     """(train_step, state, batch) as ShapeDtypeStructs: plan a model too big to materialise."""
     model = GPT(cfg)
-    optimizer = optimizer or optax.adamw(1e-3)
-    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32)
-    params = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t)["params"], tokens)
-    opt_state = jax.eval_shape(optimizer.init, params)
-    return make_train_step(gpt_loss(model), optimizer), (params, opt_state), (tokens, tokens)
+    return abstract_language_model_setup(model, gpt_loss(model), cfg, optimizer)
