@@ -86,7 +86,7 @@ class Parallelized:
 
 
 def make_plan(fun: Callable, *args, cluster: Cluster | str, method="auto", memory_budget=None,
-              batch_argnums=(1,), remat: str = "none", **kwargs) -> Plan:
+              batch_argnums=(1,), remat: str = "auto", **kwargs) -> Plan:
     """Plan `fun(*args)` for a cluster that need not exist here (args may be ShapeDtypeStructs)."""
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)

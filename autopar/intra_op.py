@@ -125,12 +125,18 @@ def _scan_strategies(op: Op, mesh: LogicalMesh, time_limit_s: float, solver: str
     return [planned, rep]
 
 
-def _strategies(op: Op, graph: OpGraph, mesh: LogicalMesh, time_limit_s: float, solver: str) -> list[Strategy]:
+def _strategies(op: Op, graph: OpGraph, mesh: LogicalMesh, time_limit_s: float, solver: str,
+                kept: set[int]) -> list[Strategy]:
+    """The op's strategies, with memory time counting only the operands and results XLA
+    keeps in memory (`kept`): an elementwise op fused into its neighbours reads and writes
+    registers, not memory."""
     if op.name == "scan" and op.body is not None:
-        strats = _scan_strategies(op, mesh, time_limit_s, solver)
-    else:
-        strats = enumerate_strategies(op, graph, mesh)
-    return strats
+        return _scan_strategies(op, mesh, time_limit_s, solver)
+    strats = enumerate_strategies(op, graph, mesh)
+    counted = tuple(v in kept for v in op.inputs) + tuple(v in kept for v in op.outputs)
+    if all(counted):
+        return strats
+    return [s.fused(counted, mesh.memory_s) for s in strats]
 
 
 def live_ops(graph: OpGraph) -> set[int]:
@@ -163,6 +169,7 @@ def _main_input(op: Op, graph: OpGraph) -> int | None:
 
 def _build_groups(graph: OpGraph, mesh: LogicalMesh, fixed: dict[int, DimSharding], allowed: dict[int, list[DimSharding]],
                   reshard: _ReshardCache, time_limit_s: float, solver: str) -> tuple[list[_Group], dict[int, int]]:
+    kept = materialized(graph)
     groups: list[_Group] = []
     group_of: dict[int, int] = {}
     for v in graph.invars:
@@ -184,7 +191,7 @@ def _build_groups(graph: OpGraph, mesh: LogicalMesh, fixed: dict[int, DimShardin
                     ch.out[w] = ch.out[v]
                 group_of[w] = gid
             continue
-        strats = _strategies(op, graph, mesh, time_limit_s, solver)
+        strats = _strategies(op, graph, mesh, time_limit_s, solver, kept)
         if not strats:
             raise RuntimeError(f"no sharding strategy for op {op.index} ({op.name}) at {op.source}")
         live_inputs = [(i, v) for i, v in enumerate(op.inputs) if v not in graph.literals]

@@ -6,7 +6,7 @@ at most once per tensor. The mesh axes are named `AXIS_NAMES`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from jax.sharding import PartitionSpec
 
@@ -101,6 +101,16 @@ class Strategy:
     compute_s: float
     comm_s: float = 0.0
     collectives: tuple[Collective, ...] = field(default_factory=tuple)
+    flops_s: float = 0.0                                 # the FLOP part of compute_s
+    io_bytes: tuple[float, ...] = ()                     # local bytes of each input, then each output
+
+    def fused(self, counted: tuple[bool, ...], memory_s) -> "Strategy":
+        """The strategy when only the operands and results in `counted` touch memory
+        (the others are fused into a neighbouring kernel): compute_s re-derived."""
+        if not self.io_bytes:
+            return self
+        nbytes = sum(b for b, c in zip(self.io_bytes, counted) if c)
+        return replace(self, compute_s=max(self.flops_s, float(memory_s(nbytes))))
 
     @property
     def comm_bytes(self) -> float:

@@ -23,6 +23,15 @@ class GPTConfig:
     scan: bool = False       # nn.scan over layers instead of an unrolled Python loop
     dtype: Any = jnp.float32
 
+    def __post_init__(self) -> None:
+        for name in ("vocab", "seq", "hidden", "heads", "layers", "batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name}={value!r}: must be a positive integer")
+        if self.hidden % self.heads:
+            raise ValueError(f"GPTConfig: hidden={self.hidden} is not a multiple of heads={self.heads}; "
+                             f"attention splits the hidden size into heads of equal width")
+
     @property
     def num_params(self) -> int:
         d = self.hidden

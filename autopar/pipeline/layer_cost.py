@@ -87,10 +87,11 @@ def per_device_bytes(lg: LayerGraph, specs: dict[int, DimSharding], mesh_shape: 
 
 def roofline_device_s(lg: LayerGraph, device: Any) -> float:
     """Seconds one device would spend on the layer's live ops at peak speed (FLOPs at the
-    fastest peak of the op's dtypes, or bytes at full memory bandwidth). Divided by a
-    mesh's device count it bounds the ILP objective from below: the ILP charges every op
-    at least its FLOPs and bytes split evenly over the mesh."""
+    fastest peak of the op's dtypes, or the bytes it keeps in memory at full bandwidth).
+    Divided by a mesh's device count it bounds the ILP objective from below: the ILP
+    charges every op at least its FLOPs and bytes split evenly over the mesh."""
     g = lg.graph
+    kept = materialized(g)
     total = 0.0
     for i in live_ops(g):
         op = g.ops[i]
@@ -98,7 +99,7 @@ def roofline_device_s(lg: LayerGraph, device: Any) -> float:
             continue
         vs = [v for v in (*op.inputs, *op.outputs) if v not in g.literals]
         peak = max((device.peak_flops_for(g.vars[v].dtype) for v in vs), default=device.peak_flops_for("float32"))
-        total += max(op.flops / peak, device.memory_s(sum(g.vars[v].nbytes for v in vs)))
+        total += max(op.flops / peak, device.memory_s(sum(g.vars[v].nbytes for v in vs if v in kept)))
     return total
 
 

@@ -84,7 +84,7 @@ class PipeshardParallel:
         cluster = self._cluster(request)
         limit = request.memory_budget_bytes if request.memory_budget_bytes is not None else cluster.device.memory_bytes
         return PipelinePlanner(StepTracer(request.fun, request.args, request.batch_argnums), self, cluster, limit,
-                               time_limit_s=self.time_limit_s)
+                               time_limit_s=self.time_limit_s, remat=request.remat)
 
     def plan(self, request: Any) -> Any:
         """Trace, run the joint planner and record the decision as a Plan."""

@@ -107,11 +107,13 @@ class _Candidates:
 
     def __init__(self, planner: "PipelinePlanner", traced: TracedStep, cuts: Sequence[int], shapes, num_stages_max: int):
         self.planner, self.traced, self.cuts = planner, traced, list(cuts)
-        self.layers = {r: planner.layer_graphs(traced, cuts, remat) for r, remat in enumerate(REMAT_OPTIONS)}
+        self.layers = {r: planner.layer_graphs(traced, cuts, remat) if remat in planner.remat_options else None
+                       for r, remat in enumerate(REMAT_OPTIONS)}
+        self.layers = {r: lgs for r, lgs in self.layers.items() if lgs is not None}
         self.keys = {r: [lg.key for lg in lgs] for r, lgs in self.layers.items()}
         self.shapes = list(shapes)
         self.logical = [logical_mesh_shapes(sub) for sub in self.shapes]
-        L, M, S = len(self.layers[0]), len(self.shapes), num_stages_max
+        L, M, S = len(next(iter(self.layers.values()))), len(self.shapes), num_stages_max
         self.R, self.P = len(REMAT_OPTIONS), len(PARAM_MODES)
         self.K = max(len(x) for x in self.logical) * self.P * self.R
         self.S = S
@@ -127,13 +129,14 @@ class _Candidates:
         self.solved: dict[tuple[int, int, int, int], dict[str, LayerCost]] = {}   # (m, k, p, r) -> key -> solution
         self.costs: dict[tuple, StageCost] = {}
         sf = planner.state_factor
-        self._param_bytes = [sum(lg.graph.vars[v].nbytes for v in lg.param_vars) * (2 + sf) for lg in self.layers[0]]
+        self._param_bytes = [sum(lg.graph.vars[v].nbytes for v in lg.param_vars) * (2 + sf)
+                             for lg in next(iter(self.layers.values()))]
         self._residual_bytes = {r: [sum(lg.graph.vars[v].nbytes for v in lg.residuals) for lg in lgs]
                                 for r, lgs in self.layers.items()}
         for m in range(M):
             for k in range(len(self.logical[m])):
                 for p in range(self.P):
-                    for r in range(self.R):
+                    for r in self.layers:
                         self._fill(m, k, p, r)
 
     def mesh(self, m: int, k: int) -> LogicalMesh:
@@ -152,8 +155,8 @@ class _Candidates:
         done = self.solved.get((m, k, p, r), {})
         layers, keys = self.layers[r], self.keys[r]
         L = len(layers)
-        per_time = np.array([done[key].time_s if key in done else self.planner.solver.lower_bound(lg, mesh)
-                             for key, lg in zip(keys, layers)])
+        per_time = np.array([done[key].time_s if key in done else self._layer_bound(m, k, p, r, l)
+                             for l, key in enumerate(keys)])
         per_act = np.array([done[key].residual_bytes if key in done else b / n
                             for key, b in zip(keys, self._residual_bytes[r])])
         per_weight = np.array(self._param_bytes) / n
@@ -175,6 +178,19 @@ class _Candidates:
                 (self.time[i, j, m, 0, o], self.iteration[i, j, m, 0, o], self.weight[i, j, m, 0, o],
                  self.act[i, j, m, 0, o], self.working[i, j, m, 0, o], self.update[i, j, m, 0, o]) = values
 
+    def _layer_bound(self, m: int, k: int, p: int, r: int, l: int) -> float:
+        """A lower bound of layer l's ILP objective in an option: its roofline, or what a
+        less constrained option already costs. Parameters restricted to their most
+        sharded layouts only restrict the free ILP; a checkpointed forward adds its
+        recomputation to the same forward and backward ops."""
+        bound = self.planner.solver.lower_bound(self.layers[r][l], self.mesh(m, k))
+        for q, s in ((0, r), (p, 0), (0, 0)):
+            if (q, s) != (p, r) and q <= p and s <= r and s in self.layers:
+                hit = self.solved.get((m, k, q, s), {}).get(self.keys[s][l])
+                if hit is not None:
+                    bound = max(bound, hit.time_s)
+        return bound
+
     def price(self, i: int, j: int, m: int, k: int, p: int, r: int) -> None:
         """Solve the ILP of every layer content of range i..j not yet solved for this
         option, then refresh its candidates."""
@@ -183,7 +199,10 @@ class _Candidates:
         for key, lg in zip(self.keys[r][i:j + 1], self.layers[r][i:j + 1]):
             if key not in done:
                 done[key] = self.planner.solver(lg, mesh, PARAM_MODES[p])
-        self._fill(m, k, p, r)
+        for q in range(self.P):        # what was solved bounds the more constrained options
+            for s in self.layers:
+                if q >= p and s >= r:
+                    self._fill(m, k, q, s)
 
     def tensors(self):
         """(time, once-per-step time, memory) [L, L, M, S, K] for the stage DP."""
@@ -211,14 +230,19 @@ class PipelinePlanner:
     graphs, ILP solves) live as long as it does."""
 
     def __init__(self, tracer: StepTracer, method: PipeshardParallel, cluster: Cluster,
-                 memory_limit_bytes: float, time_limit_s: float = 30.0):
+                 memory_limit_bytes: float, time_limit_s: float = 30.0, remat: str = "auto"):
         self.tracer, self.method, self.cluster = tracer, method, cluster
+        if remat not in ("auto", "none", "full"):
+            raise ValueError(f"remat={remat!r}; use 'auto', 'none' or 'full'")
+        self.remat_options = REMAT_OPTIONS if remat == "auto" else (remat,)
         self.memory_limit_bytes = memory_limit_bytes
         self.solver = LayerSolver(time_limit_s=time_limit_s, solver=method.solver)
         self._layer_graphs: dict[tuple[int, str, str], Any] = {}
         self.state_factor = optimizer_state_factor(tracer)
         self.dp_runs = 0
         self._meshes: dict[tuple[int, int], LogicalMesh] = {}
+        self._problems: dict[tuple, _Candidates] = {}
+        self._cut_options: list[list[int]] | None = None
 
     # --- layers ---------------------------------------------------------------------
     def layer_graphs(self, traced: TracedStep, cuts: Sequence[int], remat: str = "none") -> list[LayerGraph]:
@@ -306,48 +330,60 @@ class PipelinePlanner:
                              memory_limit_bytes=self.memory_limit_bytes if limit is None else limit,
                              imbalance_tolerance=self.method.imbalance_tolerance)
 
+    def micro_batch_candidates(self) -> list[int]:
+        B = self.method.num_micro_batches
+        return self.tracer.micro_batch_counts() if B == "auto" else [B]
+
+    def cut_options(self) -> list[list[int]]:
+        """Layer cuts to try (op indices of the micro-batch loss), checked against num_stages."""
+        if self._cut_options is None:
+            cuts = self.layer_cut_candidates(self.tracer.at(self.micro_batch_candidates()[0]))
+            stages = self._shapes()[1]
+            if stages is not None:
+                longest = max(len(c) - 1 for c in cuts)
+                if stages > longest:
+                    raise ValueError(f"{stages} stages but the loss has only {longest} layers; add "
+                                     f"mark_stage_boundary() markers, raise `layers`, or use fewer stages")
+                cuts = [c for c in cuts if len(c) - 1 >= stages]
+            self._cut_options = cuts
+        return self._cut_options
+
+    def problem(self, B: int, c: int, shapes: Sequence[tuple[int, int]] | None = None,
+                num_stages: int | None = None) -> _Candidates:
+        """The candidates for B micro-batches and the c-th layer cuts (cached)."""
+        shapes = self._shapes()[0] if shapes is None else list(shapes)
+        key = (B, c, tuple(shapes))
+        if key not in self._problems:
+            traced = self.tracer.at(B)
+            ref = self.tracer.at(self.micro_batch_candidates()[0])
+            if len(traced.loss.ops) != len(ref.loss.ops):
+                raise ValueError("the loss has a different structure at different micro-batch sizes; "
+                                 "give num_micro_batches explicitly")
+            cuts = self.cut_options()[c]
+            S = num_stages or self._shapes()[1] or min(len(cuts) - 1, self.cluster.num_devices)
+            self._problems[key] = _Candidates(self, traced, cuts, shapes, S)
+        return self._problems[key]
+
     def plan(self) -> PipelineDecision:
-        B_given = self.method.num_micro_batches
-        Bs = self.tracer.micro_batch_counts() if B_given == "auto" else [B_given]
-        ref = self.tracer.at(Bs[0])
-        cut_options = self.layer_cut_candidates(ref)
-        shapes, num_stages, fixed = self._shapes()
-        if num_stages is not None:
-            longest = max(len(c) - 1 for c in cut_options)
-            if num_stages > longest:
-                raise ValueError(f"{num_stages} stages but the loss has only {longest} layers; add "
-                                 f"mark_stage_boundary() markers, raise `layers`, or use fewer stages")
-            cut_options = [c for c in cut_options if len(c) - 1 >= num_stages]
-        problems: dict[tuple[int, int], _Candidates] = {}
-
-        def candidates(B: int, c: int) -> _Candidates:
-            if (B, c) not in problems:
-                traced = self.tracer.at(B)
-                if len(traced.loss.ops) != len(ref.loss.ops):
-                    raise ValueError("the loss has a different structure at different micro-batch sizes; "
-                                     "give num_micro_batches explicitly")
-                cuts = cut_options[c]
-                S = num_stages or min(len(cuts) - 1, self.cluster.num_devices)
-                problems[(B, c)] = _Candidates(self, traced, cuts, shapes, S)
-            return problems[(B, c)]
-
+        Bs = self.micro_batch_candidates()
+        cut_options = self.cut_options()
+        _, num_stages, fixed = self._shapes()
         keys = [(B, c) for B in Bs for c in range(len(cut_options))]
         results: dict[tuple[int, int], StageDPResult] = {}
 
         def lower(key):
-            cand = candidates(*key)
+            cand = self.problem(*key)
             return self._dp(cand, *cand.tensors(), num_stages, fixed).latency_s
 
         def exact(key):
-            res = self._solve_exact(candidates(*key), num_stages, fixed)
+            res = self._solve_exact(self.problem(*key), num_stages, fixed)
             results[key] = res
             return res.latency_s
 
         try:
             key, latency, priced = choose_best(keys, lower, exact)
         except ValueError:
-            need = min((self._min_memory(problems[k], num_stages, fixed) for k in keys if k in problems),
-                       default=math.inf)
+            need = min((self._min_memory(self.problem(*k), num_stages, fixed) for k in keys), default=math.inf)
             if not math.isfinite(need):
                 raise ValueError("no pipeline fits the devices at any memory budget: the submeshes cannot "
                                  "cover the devices with these stages; change num_stages or submeshes") from None
@@ -356,14 +392,13 @@ class PipelinePlanner:
             raise MemoryBudgetError(self.memory_limit_bytes, need, (1, self.cluster.num_devices), remat_on=True,
                                     what=f"no pipeline plan ({self.method.schedule}, micro-batches "
                                          f"{'/'.join(map(str, Bs))}) with sharded parameters or remat") from None
-        cand, res = problems[key], results[key]
+        cand, res = self.problem(*key), results[key]
         decision = self._decide(cand, res)
-        B = cand.traced.num_micro_batches
-        latency = res.latency_s
         search = {"micro_batch_candidates": tuple(Bs), "micro_batch_evaluated": tuple(sorted({k[0] for k in priced})),
                   "layer_counts": tuple(len(c) - 1 for c in cut_options), "ilp_solves": self.solver.solves,
-                  "dp_runs": self.dp_runs, "meshes_priced": sum(p.meshes_priced for p in problems.values())}
-        return PipelineDecision(cand.traced, tuple(cand.cuts), decision, B, latency, search)
+                  "dp_runs": self.dp_runs, "meshes_priced": sum(p.meshes_priced for p in self._problems.values())}
+        return PipelineDecision(cand.traced, tuple(cand.cuts), decision, cand.traced.num_micro_batches,
+                                res.latency_s, search)
 
     def _min_memory(self, cand: _Candidates, num_stages, fixed, rel_tol: float = 0.02) -> float:
         """The smallest per-device memory limit under which a plan of these candidates

@@ -89,16 +89,18 @@ def make_strategy(
     mesh axis some operand or result is split over), comm_s the sum of its collectives."""
     ms = mesh_shape_of(mesh)
     used: set[int] = set()
-    nbytes = 0.0
+    io: list[float] = []
     for t, s in zip(ins, in_specs):
         if t is None:
+            io.append(0.0)
             continue
-        nbytes += local_bytes(t, s, ms)
+        io.append(local_bytes(t, s, ms))
         if s:
             used.update(a for axes in s for a in axes)
     for t, s in zip(outs, out_specs):
-        nbytes += local_bytes(t, s, ms)
+        io.append(local_bytes(t, s, ms))
         used.update(a for axes in s for a in axes)
+    nbytes = sum(io)
     local_flops = flops / axes_product(used, ms) if split_flops else flops
     if dtype is None:
         dtype = outs[0].dtype if outs else "float32"
@@ -115,7 +117,7 @@ def make_strategy(
         if colls:
             name += " [" + " ".join(f"{_short(c.kind)}{''.join(map(str, c.axes))}" for c in colls) + "]"
     return Strategy(name=name, in_specs=tuple(in_specs), out_specs=tuple(out_specs),
-                    compute_s=compute_s, comm_s=comm_s, collectives=colls)
+                    compute_s=compute_s, comm_s=comm_s, collectives=colls, flops_s=float(compute), io_bytes=tuple(io))
 
 
 def _short(kind: str) -> str:
