@@ -26,15 +26,27 @@ def eval_graph(graph: OpGraph, flat_args: Sequence[Any], on_output: OutputHook |
             f"eval_graph: the graph takes {len(graph.invars)} flat arguments, got {len(flat_args)}; "
             "flatten (args, kwargs) with jax.tree_util.tree_leaves, as trace_graph did."
         )
-    env: dict[int, Any] = dict(graph.literals)
-    env.update(zip(graph.invars, flat_args))
-    for op in graph.ops:
-        outs = op.primitive.bind(*(env[i] for i in op.inputs), **op.primitive.get_bind_params(op.params))
+    env: dict[int, Any] = dict(zip(graph.invars, flat_args))
+    eval_ops(graph, env, on_output=on_output)
+    return [env[v] if v in env else graph.literals[v] for v in graph.outvars]
+
+
+def eval_ops(graph: OpGraph, env: dict[int, Any], start: int = 0, stop: int | None = None,
+             on_output: OutputHook | None = None) -> None:
+    """Evaluate `graph.ops[start:stop]` in order, reading operands from `env` (var id ->
+    value; literals come from `graph.literals`) and writing every result into `env`.
+
+    Planners that run a graph piece by piece (rockmate re-runs a block inside a
+    checkpointed region) call this on ranges; `on_output` is as in `eval_graph`.
+    """
+    literals = graph.literals
+    for op in graph.ops[start:stop]:
+        args = [env[i] if i in env else literals[i] for i in op.inputs]
+        outs = op.primitive.bind(*args, **op.primitive.get_bind_params(op.params))
         if not op.primitive.multiple_results:
             outs = (outs,)
         for vid, value in zip(op.outputs, outs):
             env[vid] = on_output(op, vid, value) if on_output is not None else value
-    return [env[v] for v in graph.outvars]
 
 
 def call_graph(graph: OpGraph, *args: Any, on_output: OutputHook | None = None, **kwargs: Any) -> Any:
