@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import jax
 
 from .budget import parse_bytes
 from .lowering import lower
 from .plan import RematPlan
-from .planner import analyze, make_plan, min_budget_of, trace
-from .blocks import find_chain
-from .planner import fingerprint
-from .jax_graph import BLOCK_PREFIX
+from .blocks import BLOCK_PREFIX, find_chain
+from .planner import analyze, fingerprint, make_plan, min_budget_of, trace
 
 
 _ANALYSES: dict = {}
@@ -67,7 +65,7 @@ class RematFunction:
         key = (treedef, tuple((getattr(l, "shape", None), str(getattr(l, "dtype", type(l))))
                               for l in leaves))
         if key not in self._cache:
-            program, in_tree, out_tree = trace(self._f, args, kwargs)
+            program = trace(self._f, args, kwargs)
             chain = find_chain(program)
             fp = fingerprint(program, chain)
             if fp != self.schedule.fingerprint:
@@ -75,7 +73,7 @@ class RematFunction:
                     "this remat plan was made for a different program (other shapes, dtypes or "
                     "model structure); call rockmate.plan_remat again with the new arguments")
             self._cache[key] = (lower(program, chain, dict(enumerate(self.schedule.blocks)),
-                                      self.schedule.schedule, self._boundary_conds), out_tree)
+                                      self.schedule.schedule, self._boundary_conds), program.out_tree)
         return leaves, self._cache[key]
 
     def __call__(self, *args, **kwargs):

@@ -12,8 +12,12 @@ from typing import Mapping
 
 import numpy as np
 
-from .jax_graph import FlatOp, FlatProgram, Lit, aval_bytes, eval_ops, flatten, is_float
+from .graph.evaluate import eval_ops
+from .graph.flops import spec_nbytes
+from .graph.op_graph import Op, OpGraph
 from .op_costs import is_heavy, op_cost
+
+BLOCK_PREFIX = "rockmate_block"  # name prefix of the jit calls `rockmate.block` makes
 
 
 @dataclass(frozen=True)
@@ -59,62 +63,69 @@ class BlockGraph:
     views: tuple[tuple[int, int], ...] = ()  # (view node, source node): kept only with its source
 
 
-def _uses(program: FlatProgram) -> dict[int, list[int]]:
+def abstract(graph: OpGraph, vid: int):
+    """A jax.ShapeDtypeStruct for value `vid` (TypeError for PRNG keys and tokens)."""
+    import jax
+
+    return jax.ShapeDtypeStruct(graph.vars[vid].shape, np.dtype(graph.vars[vid].dtype))
+
+
+def _uses(program: OpGraph) -> dict[int, list[int]]:
     uses: dict[int, list[int]] = {}
     for k, op in enumerate(program.ops):
-        for a in op.in_ids:
-            if not isinstance(a, Lit):
+        for a in op.inputs:
+            if a not in program.literals:
                 uses.setdefault(a, []).append(k)
     return uses
 
 
-def _last_use(program: FlatProgram) -> dict[int, int]:
+def _last_use(program: OpGraph) -> dict[int, int]:
     """Value id -> index of its last consumer (len(ops) for program outputs)."""
     last: dict[int, int] = {}
     for k, op in enumerate(program.ops):
-        for a in op.in_ids:
-            if not isinstance(a, Lit):
+        for a in op.inputs:
+            if a not in program.literals:
                 last[a] = k
     for a in program.outvars:
-        if not isinstance(a, Lit):
+        if a not in program.literals:
             last[a] = len(program.ops)
     return last
 
 
-def _producers(program: FlatProgram) -> dict[int, int]:
-    return {vid: k for k, op in enumerate(program.ops) for vid in op.out_ids}
+def _producers(program: OpGraph) -> dict[int, int]:
+    return {vid: k for k, op in enumerate(program.ops) for vid in op.outputs}
 
 
-def block_io(program: FlatProgram, start: int, stop: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def block_io(program: OpGraph, start: int, stop: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """External values read by ops [start, stop) and values they define that are used later."""
-    defined = {vid for op in program.ops[start:stop] for vid in op.out_ids}
+    defined = {vid for op in program.ops[start:stop] for vid in op.outputs}
     ins: list[int] = []
     seen: set[int] = set()
     for op in program.ops[start:stop]:
-        for a in op.in_ids:
-            if not isinstance(a, Lit) and a not in defined and a not in seen:
+        for a in op.inputs:
+            if a not in program.literals and a not in defined and a not in seen:
                 seen.add(a)
                 ins.append(a)
     last = _last_use(program)
-    outs = tuple(v for op in program.ops[start:stop] for v in op.out_ids if last.get(v, -1) >= stop)
+    outs = tuple(v for op in program.ops[start:stop] for v in op.outputs if last.get(v, -1) >= stop)
     return tuple(ins), outs
 
 
-def _op_signature(program: FlatProgram, k: int, producers: Mapping[int, int], start: int) -> str:
+def _op_signature(program: OpGraph, k: int, producers: Mapping[int, int], start: int) -> str:
     op = program.ops[k]
-    parts = [op.prim.name, repr(sorted((n, repr(v)) for n, v in op.params.items()))]
-    for a in op.in_ids:
-        if isinstance(a, Lit):
-            parts.append(f"L{a.val!r}")
+    parts = [op.name, repr(sorted((n, repr(v)) for n, v in op.params.items()))]
+    for a in op.inputs:
+        if a in program.literals:
+            parts.append(f"L{program.literals[a]!r}")
         else:
             p = producers.get(a)
             src = f"@{k - p}" if p is not None and p >= start else "ext"
-            parts.append(f"{program.avals[a]}{src}")
-    parts.extend(str(program.avals[v]) for v in op.out_ids)
+            parts.append(f"{program.vars[a]}{src}")
+    parts.extend(str(program.vars[v]) for v in op.outputs)
     return "|".join(parts)
 
 
-def _signature(program: FlatProgram, start: int, stop: int, producers) -> str:
+def _signature(program: OpGraph, start: int, stop: int, producers) -> str:
     h = hashlib.sha1()
     for k in range(start, stop):
         h.update(_op_signature(program, k, producers, start).encode())
@@ -122,7 +133,7 @@ def _signature(program: FlatProgram, start: int, stop: int, producers) -> str:
     return h.hexdigest()[:16]
 
 
-def _live_at_cuts(program: FlatProgram) -> list[list[int]]:
+def _live_at_cuts(program: OpGraph) -> list[list[int]]:
     """For each cut position c (before op c, c = 0..n), the non-input values live across it."""
     n = len(program.ops)
     producers = _producers(program)
@@ -137,7 +148,7 @@ def _live_at_cuts(program: FlatProgram) -> list[list[int]]:
     return live
 
 
-def _periodic_region(program: FlatProgram, producers) -> tuple[int, int, int] | None:
+def _periodic_region(program: OpGraph, producers) -> tuple[int, int, int] | None:
     """(start, period, repeats) of the longest run of identical consecutive op sequences."""
     n = len(program.ops)
     if n < 4:
@@ -169,12 +180,12 @@ def _periodic_region(program: FlatProgram, producers) -> tuple[int, int, int] | 
     return best[1], best[2], best[3]
 
 
-def find_chain(program: FlatProgram, max_blocks: int = 32) -> Chain:
+def find_chain(program: OpGraph, max_blocks: int = 32) -> Chain:
     """Cut the program into a chain of blocks (see module docstring)."""
     n = len(program.ops)
     producers = _producers(program)
     live = _live_at_cuts(program)
-    cut_bytes_all = [sum(aval_bytes(program.avals[v]) for v in vs) for vs in live]
+    cut_bytes_all = [sum(spec_nbytes(program.vars[v]) for v in vs) for vs in live]
     cuts = _marked_cuts(program)
     if cuts is None:
         cuts = _periodic_cuts(program, producers, cut_bytes_all)
@@ -182,13 +193,13 @@ def find_chain(program: FlatProgram, max_blocks: int = 32) -> Chain:
         cuts = _narrow_cuts(program, live, max_blocks)
     # scans over layers get their own block
     for k, op in enumerate(program.ops):
-        if op.prim.name == "scan" and op.params.get("length", 1) > 1:
+        if op.name == "scan" and op.params.get("length", 1) > 1:
             cuts.update({k, k + 1})
     cuts = sorted(c for c in cuts if 0 < c < n)
     bounds = [0] + cuts + [n]
     blocks = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        is_scan = b - a == 1 and program.ops[a].prim.name == "scan"
+        is_scan = b - a == 1 and program.ops[a].name == "scan"
         blocks.append(Block(a, b, is_scan, _signature(program, a, b, producers)))
     # values live across more than one cut are "side" values held for the whole step
     cut_sets = [set(live[c]) for c in bounds[1:-1]]
@@ -197,27 +208,27 @@ def find_chain(program: FlatProgram, max_blocks: int = 32) -> Chain:
         for v in s:
             counts[v] = counts.get(v, 0) + 1
     side = {v for v, c in counts.items() if c > 1}
-    side_bytes = sum(aval_bytes(program.avals[v]) for v in side)
-    cut_bytes = [0] + [sum(aval_bytes(program.avals[v]) for v in s - side) for s in cut_sets]
-    out_bytes = sum(aval_bytes(program.avals[v]) for v in program.outvars if not isinstance(v, Lit)
+    side_bytes = sum(spec_nbytes(program.vars[v]) for v in side)
+    cut_bytes = [0] + [sum(spec_nbytes(program.vars[v]) for v in s - side) for s in cut_sets]
+    out_bytes = sum(spec_nbytes(program.vars[v]) for v in program.outvars if v not in program.literals
                     and v in producers)
     cut_bytes.append(out_bytes)
     return Chain(tuple(blocks), tuple(cut_bytes), side_bytes)
 
 
-def _marked_cuts(program: FlatProgram) -> set[int] | None:
+def _marked_cuts(program: OpGraph) -> set[int] | None:
     cuts: set[int] = set()
     prev = None
     for k, op in enumerate(program.ops):
-        if op.marker != prev:
+        if op.mark != prev:
             cuts.add(k)
-        prev = op.marker
-    if all(op.marker is None for op in program.ops):
+        prev = op.mark
+    if all(op.mark is None for op in program.ops):
         return None
     return cuts
 
 
-def _periodic_cuts(program: FlatProgram, producers, cut_bytes_all) -> set[int] | None:
+def _periodic_cuts(program: OpGraph, producers, cut_bytes_all) -> set[int] | None:
     region = _periodic_region(program, producers)
     if region is None:
         return None
@@ -239,24 +250,24 @@ def _periodic_cuts(program: FlatProgram, producers, cut_bytes_all) -> set[int] |
 
     def feeds_heavy(ph):
         c = start + ph
-        vals = [v for v in program.ops[c - 1].out_ids] if c > 0 else []
-        return sum(any(program.ops[k].prim.name in _MATERIALISING for k in uses.get(v, ())) for v in vals)
+        vals = [v for v in program.ops[c - 1].outputs] if c > 0 else []
+        return sum(any(program.ops[k].name in _MATERIALISING for k in uses.get(v, ())) for v in vals)
     best_phase = min(near, key=lambda ph: (-feeds_heavy(ph), ph))
     first = start + best_phase
     nblocks = reps if best_phase == 0 else reps - 1
     return {first + j * period for j in range(nblocks + 1)}
 
 
-def _narrow_cuts(program: FlatProgram, live, max_blocks: int) -> set[int]:
+def _narrow_cuts(program: OpGraph, live, max_blocks: int) -> set[int]:
     """Cuts where the number of large live activations is minimal, merged to <= max_blocks."""
     n = len(program.ops)
     if n < 2:
         return set()
-    big = max((aval_bytes(a) for a in program.avals), default=0)
-    counts = [sum(1 for v in live[c] if aval_bytes(program.avals[v]) >= 0.1 * big) for c in range(n + 1)]
+    big = max((spec_nbytes(a) for a in program.vars.values()), default=0)
+    counts = [sum(1 for v in live[c] if spec_nbytes(program.vars[v]) >= 0.1 * big) for c in range(n + 1)]
     inner = counts[1:n]
     low = min(inner)
-    cand = [c for c in range(1, n) if counts[c] == low and program.ops[c - 1].prim.name not in ("scan",)]
+    cand = [c for c in range(1, n) if counts[c] == low and program.ops[c - 1].name not in ("scan",)]
     if len(cand) + 1 <= max_blocks:
         return set(cand)
     # keep cuts that balance op time
@@ -269,32 +280,32 @@ def _narrow_cuts(program: FlatProgram, live, max_blocks: int) -> set[int]:
     return chosen
 
 
-def block_graph(program: FlatProgram, start: int, stop: int,
+def block_graph(program: OpGraph, start: int, stop: int,
                 profile: Mapping[str, float] | None = None) -> BlockGraph:
     """ILP nodes of ops [start, stop): sizes, times, dependencies and residual needs."""
     ops = program.ops[start:stop]
-    local = {vid: j for j, op in enumerate(ops) for vid in op.out_ids}
+    local = {vid: j for j, op in enumerate(ops) for vid in op.outputs}
     ins, outs = block_io(program, start, stop)
     out_set = set(outs)
-    consumers: dict[int, list[FlatOp]] = {}
+    consumers: dict[int, list[Op]] = {}
     for op in ops:
-        for a in op.in_ids:
-            if not isinstance(a, Lit) and a in local:
+        for a in op.inputs:
+            if a not in program.literals and a in local:
                 consumers.setdefault(local[a], []).append(op)
     sizes, live, times, bwd, deps, keepable = [], [], [], [], [], set()
     residuals: set[int] = set()
     for j, op in enumerate(ops):
         cost = op_cost(program, op, profile)
-        size = sum(aval_bytes(program.avals[v]) for v in op.out_ids)
+        size = sum(spec_nbytes(program.vars[v]) for v in op.outputs)
         materialized = (is_heavy(op) or any(is_heavy(c) for c in consumers.get(j, ()))
-                        or any(v in out_set for v in op.out_ids))
+                        or any(v in out_set for v in op.outputs))
         sizes.append(size)
         live.append(size if materialized else 0)
         times.append(cost.time_s)
         bwd.append(cost.bwd_time_s)
-        d = tuple(sorted({local[a] for a in op.in_ids if not isinstance(a, Lit) and a in local}))
+        d = tuple(sorted({local[a] for a in op.inputs if a not in program.literals and a in local}))
         deps.append(d)
-        if all(is_float(program.avals[v]) for v in op.out_ids) and op.out_ids:
+        if all(program.vars[v].is_float for v in op.outputs) and op.outputs:
             keepable.add(j)
         if cost.needs_output:
             residuals.add(j)
@@ -307,15 +318,15 @@ def block_graph(program: FlatProgram, start: int, stop: int,
     # reshapes are bitcasts in XLA: keeping one costs nothing beyond its (kept) source
     views = {}
     for j, op in enumerate(ops):
-        if op.prim.name in _VIEWS and deps[j] and len(op.in_ids) == 1:
+        if op.name in _VIEWS and deps[j] and len(op.inputs) == 1:
             views[j] = deps[j][0]
             sizes[j] = 0
     # a residual XLA would otherwise fuse away still occupies memory when kept/recomputed,
     # except broadcasts and scalar converts, which XLA re-fuses into their consumers
-    live = [sizes[j] if j in residuals and ops[j].prim.name not in _FREE else live[j]
+    live = [sizes[j] if j in residuals and ops[j].name not in _FREE else live[j]
             for j in range(len(ops))]
-    in_bytes = sum(aval_bytes(program.avals[v]) for v in ins if v not in program.consts)
-    out_bytes = sum(aval_bytes(program.avals[v]) for v in outs)
+    in_bytes = sum(spec_nbytes(program.vars[v]) for v in ins if v not in program.literals)
+    out_bytes = sum(spec_nbytes(program.vars[v]) for v in outs)
     big = max(live, default=0)
     return BlockGraph(tuple(sizes), tuple(live), tuple(times), tuple(bwd), tuple(deps),
                       frozenset(residuals), frozenset(keepable), in_bytes, out_bytes,
@@ -328,20 +339,19 @@ _MATERIALISING = {"dot_general", "conv_general_dilated", "reduce_sum", "reduce_m
 _FREE = {"broadcast_in_dim", "iota", "convert_element_type", "reshape", "squeeze", "expand_dims"}
 
 
-def autodiff_residuals(program: FlatProgram, start: int, stop: int) -> tuple[frozenset[int], int] | None:
+def autodiff_residuals(program: OpGraph, start: int, stop: int) -> tuple[frozenset[int], int] | None:
     """Which ops' results JAX's own VJP of ops [start, stop) saves (local indices), and the
     bytes of saved values that are not op results (linearization intermediates)."""
     import jax
 
     ins, outs = block_io(program, start, stop)
-    ins = tuple(v for v in ins if v not in program.consts)
     if not outs:
         return None
     captured: dict = {}
 
     def fn(*vals):
         env = dict(zip(ins, vals))
-        eval_ops(program, start, stop, env)
+        eval_ops(program, env, start, stop)
         captured.clear()
         captured.update(env)
         return tuple(env[o] for o in outs)
@@ -351,7 +361,7 @@ def autodiff_residuals(program: FlatProgram, start: int, stop: int) -> tuple[fro
     def probe(*vals):
         out, vjp_fn = jax.vjp(fn, *vals)
         by_id = {id(getattr(v, "primal", v)): vid for vid, v in captured.items()}
-        producer = {vid: j for j, op in enumerate(program.ops[start:stop]) for vid in op.out_ids}
+        producer = {vid: j for j, op in enumerate(program.ops[start:stop]) for vid in op.outputs}
         res, extra = set(), 0
         for leaf in jax.tree.leaves(vjp_fn):
             vid = by_id.get(id(leaf))
@@ -362,14 +372,10 @@ def autodiff_residuals(program: FlatProgram, start: int, stop: int) -> tuple[fro
         found.append((frozenset(res), extra))
         return out
 
-    specs = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
     try:
-        jax.make_jaxpr(probe)(*specs)
+        jax.make_jaxpr(probe)(*[abstract(program, v) for v in ins])
     except Exception:  # non-differentiable blocks (e.g. integer-only): fall back to rules
         return None
     return found[0]
 
 
-def scan_body_program(op: FlatOp) -> FlatProgram:
-    """The flattened body of a scan op."""
-    return flatten(op.params["jaxpr"])

@@ -7,14 +7,15 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
-import jax
 
 from .block_ilp import BlockOption, pareto_front, pareto_options
 from .calibrate import measured_forward, measured_option, saved_bytes
-from .blocks import Chain, block_graph, find_chain, scan_body_program
-from .jax_graph import FlatProgram, aval_bytes, flatten
+from .blocks import BLOCK_PREFIX, Chain, block_graph, find_chain
+from .graph.flops import spec_nbytes
+from .graph.op_graph import OpGraph
+from .graph.trace import trace_graph
 from .plan import BlockChoice, InfeasibleBudgetError, RematPlan
 from .sequence_dp import ChainBlock, ChainOption, min_peak, schedule_cost, solve_chain
 
@@ -26,33 +27,25 @@ CALIBRATED_OPTIONS = 2  # up-front compiles per distinct block (plus its forward
 
 @dataclass(frozen=True)
 class Traced:
-    """A traced function: flat program, its chain of blocks and their options."""
+    """A traced function: its op graph, its chain of blocks and their options."""
 
-    program: FlatProgram
+    program: OpGraph
     chain: Chain
     options: list[tuple[BlockOption, ...]]  # per block, Pareto options
     chain_blocks: list[ChainBlock]  # per block, options in bytes
-    in_tree: Any
-    out_tree: Any
     fingerprint: str
     calibrate: bool = True  # chosen options not yet measured are measured on demand
 
 
-def trace(f: Callable, args: tuple, kwargs: Mapping | None = None) -> tuple[FlatProgram, Any, Any]:
-    """Flat program of f(*args), with input and output tree structures."""
-    kwargs = dict(kwargs or {})
-    flat, in_tree = jax.tree.flatten((args, kwargs))
-
-    def flat_f(*leaves):
-        a, k = jax.tree.unflatten(in_tree, leaves)
-        return f(*a, **k)
-    closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*flat)
-    return flatten(closed), in_tree, jax.tree.structure(out_shape)
+def trace(f: Callable, args: tuple, kwargs: Mapping | None = None) -> OpGraph:
+    """The op graph of f(*args, **kwargs), custom derivative rules kept (the graph is
+    differentiated after rescheduling) and calls made through `rockmate.block` marked."""
+    return trace_graph(f, *args, keep_custom_rules=True, mark_calls=BLOCK_PREFIX, **dict(kwargs or {}))
 
 
-def fingerprint(program: FlatProgram, chain: Chain) -> str:
+def fingerprint(program: OpGraph, chain: Chain) -> str:
     h = hashlib.sha1()
-    h.update(repr([str(a) for a in (program.avals[i] for i in program.invars)]).encode())
+    h.update(repr([program.vars[i] for i in program.invars]).encode())
     h.update(repr([(b.start, b.stop, b.signature) for b in chain.blocks]).encode())
     return h.hexdigest()[:20]
 
@@ -60,7 +53,7 @@ def fingerprint(program: FlatProgram, chain: Chain) -> str:
 def analyze(f: Callable, args: tuple, profile: Mapping[str, float] | None = None,
             ilp_time_limit_s: float = 5.0, calibrate: bool = True) -> Traced:
     """Trace `f`, cut it into blocks and solve the block ILP once per distinct block."""
-    program, in_tree, out_tree = trace(f, args)
+    program = trace(f, args)
     chain = find_chain(program)
     cache: dict[str, tuple[tuple[BlockOption, ...], ChainBlock]] = {}
     opts, cblocks = [], []
@@ -70,8 +63,7 @@ def analyze(f: Callable, args: tuple, profile: Mapping[str, float] | None = None
         o, c = cache[blk.signature]
         opts.append(o)
         cblocks.append(c)
-    return Traced(program, chain, list(opts), list(cblocks), in_tree, out_tree,
-                  fingerprint(program, chain), calibrate)
+    return Traced(program, chain, list(opts), list(cblocks), fingerprint(program, chain), calibrate)
 
 
 def _calibrated(g, program, start, stop):
@@ -162,7 +154,7 @@ def _block_options(program, blk, profile, time_limit_s, calibrate=True):
                         nr_time_s=sum(g.times_s), nr_peak=g.fwd_ws_bytes)
         return options, cb
     op = program.ops[blk.start]
-    body = scan_body_program(op)
+    body = op.body
     g = block_graph(body, 0, len(body.ops), profile)
     if calibrate:
         g = _calibrated(g, body, 0, len(body.ops))
@@ -171,7 +163,7 @@ def _block_options(program, blk, profile, time_limit_s, calibrate=True):
         options = _measured_options(options, body, 0, len(body.ops))
     length = op.params["length"]
     nc, ncarry = op.params["num_consts"], op.params["num_carry"]
-    carry_bytes = sum(aval_bytes(program.avals[a]) for a in op.in_ids[nc:nc + ncarry])
+    carry_bytes = sum(spec_nbytes(program.vars[a]) for a in op.inputs[nc:nc + ncarry])
     # per iteration the checkpointed body saves its carry input and its kept values
     copts = []
     for o in options:
