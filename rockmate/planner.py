@@ -12,7 +12,8 @@ from typing import Callable, Mapping
 
 from .block_ilp import BlockOption, pareto_front, pareto_options
 from .calibrate import measured_forward, measured_option, saved_bytes
-from .blocks import BLOCK_PREFIX, Chain, block_graph, find_chain
+from .block_graph import block_graph
+from .blocks import BLOCK_PREFIX, Chain, find_chain
 from .graph.flops import spec_nbytes
 from .graph.op_graph import OpGraph
 from .graph.trace import trace_graph
