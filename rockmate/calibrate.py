@@ -12,10 +12,10 @@ from typing import Iterable
 
 import jax
 
-from .blocks import abstract, block_io
+from .blocks import Block, abstract, block_io
 from .graph.evaluate import eval_ops
 from .graph.op_graph import OpGraph
-from .lowering import materialize, named_outputs, recompute_region, tie_choice
+from .lowering import block_function, named_outputs
 
 
 def _block_fn(program: OpGraph, start: int, stop: int, names=None):
@@ -57,28 +57,17 @@ def measured_forward(program: OpGraph, start: int, stop: int) -> int | None:
         return None
 
 
-def measured_option(program: OpGraph, start: int, stop: int, kept: Iterable[int] | None) -> int | None:
-    """Temp bytes of the block's forward+backward lowered with `kept` (local op indices)
-    saved by name (None: plain autodiff). Inputs, output cotangents and input cotangents
-    are arguments/outputs, not temp."""
-    names = None if kept is None else {start + i: f"cal_{start + i}" for i in kept}
-    fn, ins, outs = _block_fn(program, start, stop, names)
+def measured_option(program: OpGraph, blk: Block, option) -> int | None:
+    """Temp bytes of one block's forward+backward, lowered exactly as the schedule runs it
+    with `option` (see `lowering.block_function`; a scan block whole, its loops included).
+    Inputs, output cotangents and input cotangents are arguments/outputs, not temp."""
+    fn, ins, outs = block_function(program, blk, option)
     if not outs or not ins:
         return None
     float_out = [program.vars[v].is_float for v in outs]
-    if kept is None:
-        region = fn
-    else:
-        invars = set(program.invars)
-        act = [v not in invars and program.vars[v].is_float for v in ins]
-        policy = jax.checkpoint_policies.save_only_these_names(*names.values())
-        region = recompute_region(fn, tie_choice(program, start, stop, ins), policy, act)
-
-    def lowered(*vals):  # as the schedule runs a block: outputs leave through `materialize`
-        return tuple(materialize(list(region(*vals))))
 
     def fwd_bwd(vals, cts):
-        _, vjp_fn = jax.vjp(lowered, *vals)
+        _, vjp_fn = jax.vjp(fn, *vals)
         it = iter(cts)
         full = tuple(next(it) if f else jax.numpy.zeros(program.vars[v].shape, jax.dtypes.float0)
                      for v, f in zip(outs, float_out))

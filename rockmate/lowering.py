@@ -180,68 +180,77 @@ def recompute_region(fn: Callable, tie_mask: Sequence[bool], policy=None,
     return region
 
 
+Region = tuple[Callable, tuple[int, ...], tuple[int, ...]]  # fn(*ins) -> outs, input ids, output ids
+
+
+def region_function(program: OpGraph, start: int, stop: int, body: Callable[[dict], None],
+                    policy_names: Sequence[str] | None, recompute: bool, boundary: bool = False,
+                    boundary_conds: bool = True) -> Region:
+    """Ops [start, stop) as a function of their external inputs: `body(env)` fills in the
+    outputs; with `recompute`, its backward recomputes it (saving `policy_names`) after
+    the cotangent arrives; with `boundary`, outputs leave through `materialize`."""
+    ins, outs = block_io(program, start, stop)
+
+    def fn(*vals):
+        local = dict(zip(ins, vals))
+        body(local)
+        return tuple(local[o] for o in outs)
+
+    if recompute:
+        invars = set(program.invars)
+        act_mask = [v not in invars and program.vars[v].is_float for v in ins]
+        policy = (jax.checkpoint_policies.save_only_these_names(*policy_names)
+                  if policy_names is not None else None)
+        fn = recompute_region(fn, tie_choice(program, start, stop, ins), policy, act_mask, boundary_conds)
+    if boundary and boundary_conds:
+        inner = fn
+        fn = lambda *vals: tuple(materialize(list(inner(*vals))))  # noqa: E731
+    return fn, ins, outs
+
+
+def block_function(program: OpGraph, blk: Block, option, boundary_conds: bool = True) -> Region:
+    """One block run as the schedule runs it with `option` (a BlockOption or BlockChoice:
+    `kept` op indices within the block or scan body, `keep_all` for plain autodiff)."""
+    tag = f"rm{next(_uid)}"
+    if blk.is_scan:
+        return region_function(program, blk.start, blk.stop, lambda e: _run_scan(program, blk, option, e, tag),
+                               None, recompute=False)
+    names = {blk.start + i: f"{tag}_{blk.start + i}" for i in option.kept}
+
+    def body(e):
+        eval_ops(program, e, blk.start, blk.stop, named_outputs(program, names))
+    return region_function(program, blk.start, blk.stop, body, tuple(names.values()),
+                           recompute=not option.keep_all, boundary=True, boundary_conds=boundary_conds)
+
+
 def lower(program: OpGraph, chain: Chain, options: Mapping[int, BlockOption],
           schedule: Schedule, boundary_conds: bool = True) -> Callable:
     """A function of the program's flat inputs that runs `schedule` and returns flat outputs.
 
     `boundary_conds=False` leaves out the `cond`s that materialise block outputs and input
     cotangents (for planners that cannot shard through a `cond`; XLA may then keep more)."""
-    invar_set = set(program.invars)
-
-    def run_region(start: int, stop: int, env: dict, body: Callable[[dict], None],
-                   policy_names: Sequence[str] | None, recompute: bool, boundary: bool = False) -> None:
-        ins, outs = block_io(program, start, stop)
-
-        def fn(*vals):
-            local = dict(zip(ins, vals))
-            body(local)
-            return tuple(local[o] for o in outs)
-
-        vals = [env[v] for v in ins]
-        if not recompute:
-            res = fn(*vals)
-        else:
-            act_mask = [v not in invar_set and program.vars[v].is_float for v in ins]
-            tie_mask = tie_choice(program, start, stop, ins)
-            policy = (jax.checkpoint_policies.save_only_these_names(*policy_names)
-                      if policy_names is not None else None)
-            res = recompute_region(fn, tie_mask, policy, act_mask, boundary_conds)(*vals)
-        if boundary and boundary_conds:
-            res = materialize(res)
-        env.update(zip(outs, res))
-
-    def run_block(b: int, env: dict) -> None:
-        blk = chain.blocks[b]
-        opt = options[b]
-        tag = f"rm{next(_uid)}"
-        if blk.is_scan:
-            run_region(blk.start, blk.stop, env, lambda e: _run_scan(program, blk, opt, e, tag),
-                       None, recompute=False)
-            return
-        names = {blk.start + i: f"{tag}_{blk.start + i}" for i in opt.kept}
-
-        def body(e):
-            eval_ops(program, e, blk.start, blk.stop, named_outputs(program, names))
-        run_region(blk.start, blk.stop, env, body, tuple(names.values()),
-                   recompute=not opt.keep_all, boundary=True)
+    def run(region: Region, env: dict) -> None:
+        fn, ins, outs = region
+        env.update(zip(outs, fn(*[env[v] for v in ins])))
 
     def run_seq(tree: Schedule, env: dict) -> None:
         if isinstance(tree, Leaf):
-            run_block(tree.block, env)
+            run(block_function(program, chain.blocks[tree.block], options[tree.block], boundary_conds), env)
             if tree.rest is not None:
                 run_seq(tree.rest, env)
             return
         start = chain.blocks[_first_block(tree.left)].start
         stop = chain.blocks[tree.at - 1].stop
-        run_region(start, stop, env, lambda e: run_seq(tree.left, e), None, recompute=True)
+        run(region_function(program, start, stop, lambda e: run_seq(tree.left, e), None, recompute=True,
+                            boundary_conds=boundary_conds), env)
         run_seq(tree.right, env)
 
-    def run(*flat_args):
+    def run_program(*flat_args):
         env = dict(zip(program.invars, flat_args))
         run_seq(schedule, env)
         return [env[v] if v in env else program.literals[v] for v in program.outvars]
 
-    return run
+    return run_program
 
 
 def _first_block(tree: Schedule) -> int:

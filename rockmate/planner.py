@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 from .block_ilp import BlockOption, pareto_front, pareto_options
 from .calibrate import measured_forward, measured_option, saved_bytes
 from .block_graph import block_graph
-from .blocks import BLOCK_PREFIX, Chain, find_chain
+from .blocks import BLOCK_PREFIX, Block, Chain, find_chain
 from .graph.flops import spec_nbytes
 from .graph.op_graph import OpGraph
 from .graph.trace import trace_graph
@@ -73,14 +73,14 @@ def _calibrated(g, program, start, stop):
     return g if fwd is None else dataclasses.replace(g, fwd_ws_bytes=fwd)
 
 
-def _measured_options(options, program, start, stop):
+def _measured_options(options, program, blk):
     """Correct each option's backward peak by XLA's measured temp memory of the block lowered
     with it: measured for up to CALIBRATED_OPTIONS options spread over kept bytes (all of
     them on most blocks; the analytic peak of the low-memory options, the ones tight budgets
     pick, can be off by 2x), interpolated piecewise-linearly by kept bytes for the others."""
     fixed = []
     for o in options:
-        kept = None if o.keep_all else saved_bytes(program, start, stop, o.kept)
+        kept = None if o.keep_all else saved_bytes(program, blk.start, blk.stop, o.kept)
         if kept is not None:
             o = dataclasses.replace(o, kept_bytes=kept, fwd_peak_bytes=o.fwd_peak_bytes - o.kept_bytes + kept)
         fixed.append(o)
@@ -91,7 +91,7 @@ def _measured_options(options, program, start, stop):
     delta = {}
     for i in sorted(probes):
         o = fixed[i]
-        m = measured_option(program, start, stop, None if o.keep_all else o.kept)
+        m = measured_option(program, blk, o)
         if m is not None:
             delta[i] = m - o.bwd_peak_bytes
     if not delta:
@@ -113,12 +113,12 @@ def _refine(t: Traced, tree) -> bool:
         return False
     changed = False
     for i, j in sorted(_chosen_options(tree).items()):
-        blk, o = t.chain.blocks[i], t.options[i][j]
-        if blk.is_scan or o.calibrated:
+        blk, o, co = t.chain.blocks[i], t.options[i][j], t.chain_blocks[i].options[j]
+        if o.calibrated:
             continue
-        m = measured_option(t.program, blk.start, blk.stop, None if o.keep_all else o.kept)
-        peak = o.bwd_peak_bytes if m is None else max(int(m), o.kept_bytes)
-        new_o = dataclasses.replace(o, bwd_peak_bytes=peak, calibrated=True)
+        m = measured_option(t.program, blk, o)
+        peak = co.bwd_peak if m is None else max(int(m), co.kept)
+        new_o = dataclasses.replace(o, bwd_peak_bytes=o.bwd_peak_bytes if blk.is_scan else peak, calibrated=True)
         for k, other in enumerate(t.chain.blocks):
             if other.signature == blk.signature:
                 opts = list(t.options[k])
@@ -128,7 +128,7 @@ def _refine(t: Traced, tree) -> bool:
                 copts = list(cb.options)
                 copts[j] = dataclasses.replace(copts[j], bwd_peak=peak)
                 t.chain_blocks[k] = dataclasses.replace(cb, options=tuple(copts))
-        changed = changed or peak != o.bwd_peak_bytes
+        changed = changed or peak != co.bwd_peak
     return changed
 
 
@@ -149,7 +149,7 @@ def _block_options(program, blk, profile, time_limit_s, calibrate=True):
             g = _calibrated(g, program, blk.start, blk.stop)
         options = pareto_options(g, time_limit_s=time_limit_s)
         if calibrate:
-            options = _measured_options(options, program, blk.start, blk.stop)
+            options = _measured_options(options, program, blk)
         cb = ChainBlock(tuple(ChainOption(o.fwd_time_s, o.bwd_time_s, o.kept_bytes, o.fwd_peak_bytes,
                                           o.bwd_peak_bytes) for o in options),
                         nr_time_s=sum(g.times_s), nr_peak=g.fwd_ws_bytes)
@@ -160,8 +160,9 @@ def _block_options(program, blk, profile, time_limit_s, calibrate=True):
     if calibrate:
         g = _calibrated(g, body, 0, len(body.ops))
     options = pareto_options(g, time_limit_s=time_limit_s)
-    if calibrate:
-        options = _measured_options(options, body, 0, len(body.ops))
+    if calibrate:  # the body alone; the scan whole is measured when the DP picks an option
+        whole = Block(0, len(body.ops), False, "")
+        options = tuple(dataclasses.replace(o, calibrated=False) for o in _measured_options(options, body, whole))
     length = op.params["length"]
     nc, ncarry = op.params["num_consts"], op.params["num_carry"]
     carry_bytes = sum(spec_nbytes(program.vars[a]) for a in op.inputs[nc:nc + ncarry])
