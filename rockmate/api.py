@@ -10,7 +10,8 @@ from .budget import parse_bytes
 from .lowering import lower
 from .plan import RematPlan
 from .blocks import BLOCK_PREFIX, find_chain
-from .planner import analyze, fingerprint, make_plan, min_budget_of, trace
+from .graph.signature import fingerprint
+from .planner import analyze, make_plan, min_budget_of, trace
 
 
 _ANALYSES: dict = {}
@@ -66,13 +67,11 @@ class RematFunction:
                               for l in leaves))
         if key not in self._cache:
             program = trace(self._f, args, kwargs)
-            chain = find_chain(program)
-            fp = fingerprint(program, chain)
-            if fp != self.schedule.fingerprint:
+            if fingerprint(program) != self.schedule.fingerprint:
                 raise ValueError(
                     "this remat plan was made for a different program (other shapes, dtypes or "
                     "model structure); call rockmate.plan_remat again with the new arguments")
-            self._cache[key] = (lower(program, chain, dict(enumerate(self.schedule.blocks)),
+            self._cache[key] = (lower(program, find_chain(program), dict(enumerate(self.schedule.blocks)),
                                       self.schedule.schedule, self._boundary_conds), program.out_tree)
         return leaves, self._cache[key]
 

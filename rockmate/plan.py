@@ -6,7 +6,7 @@ from typing import Any
 
 from .sequence_dp import Leaf, Schedule, Split
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: structural fingerprint of the op graph
 
 
 class InfeasibleBudgetError(ValueError):

@@ -3,7 +3,6 @@ distinct block's ILP once, then the sequence DP under the budget."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from .block_graph import block_graph
 from .blocks import BLOCK_PREFIX, Block, Chain, find_chain
 from .graph.flops import spec_nbytes
 from .graph.op_graph import OpGraph
+from .graph.signature import fingerprint
 from .graph.trace import trace_graph
 from .plan import BlockChoice, InfeasibleBudgetError, RematPlan
 from .sequence_dp import ChainBlock, ChainOption, min_peak, schedule_cost, solve_chain
@@ -44,13 +44,6 @@ def trace(f: Callable, args: tuple, kwargs: Mapping | None = None) -> OpGraph:
     return trace_graph(f, *args, keep_custom_rules=True, mark_calls=BLOCK_PREFIX, **dict(kwargs or {}))
 
 
-def fingerprint(program: OpGraph, chain: Chain) -> str:
-    h = hashlib.sha1()
-    h.update(repr([program.vars[i] for i in program.invars]).encode())
-    h.update(repr([(b.start, b.stop, b.signature) for b in chain.blocks]).encode())
-    return h.hexdigest()[:20]
-
-
 def analyze(f: Callable, args: tuple, profile: Mapping[str, float] | None = None,
             ilp_time_limit_s: float = 5.0, calibrate: bool = True) -> Traced:
     """Trace `f`, cut it into blocks and solve the block ILP once per distinct block."""
@@ -64,7 +57,7 @@ def analyze(f: Callable, args: tuple, profile: Mapping[str, float] | None = None
         o, c = cache[blk.signature]
         opts.append(o)
         cblocks.append(c)
-    return Traced(program, chain, list(opts), list(cblocks), fingerprint(program, chain), calibrate)
+    return Traced(program, chain, list(opts), list(cblocks), fingerprint(program), calibrate)
 
 
 def _calibrated(g, program, start, stop):
