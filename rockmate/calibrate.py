@@ -8,9 +8,10 @@ gives its forward working memory and, per option, the peak of its forward+backwa
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+from typing import Callable, Iterable
 
 import jax
+import numpy as np
 
 from .blocks import Block, abstract, block_io
 from .graph.evaluate import eval_ops
@@ -78,6 +79,26 @@ def measured_option(program: OpGraph, blk: Block, option) -> int | None:
         return temp_bytes(jax.jit(fwd_bwd).lower([abstract(program, v) for v in ins], cts))
     except Exception:  # integer-only or otherwise non-differentiable block
         return None
+
+
+def program_temp_bytes(fn: Callable, args: tuple) -> int:
+    """XLA's temp bytes of the compiled forward+backward of `fn(*args)`: `jax.grad` in the
+    first argument for a scalar output (how a memory budget is defined), a VJP in every
+    argument otherwise."""
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), args)
+    out = jax.eval_shape(fn, *specs)
+    if isinstance(out, jax.ShapeDtypeStruct) and out.shape == () and jax.numpy.issubdtype(out.dtype, jax.numpy.floating):
+        return temp_bytes(jax.jit(jax.grad(fn)).lower(*specs))
+
+    def ones(y):
+        if jax.numpy.issubdtype(y.dtype, jax.numpy.inexact):
+            return jax.numpy.ones_like(y)
+        return np.zeros(y.shape, jax.dtypes.float0)
+
+    def fwd_bwd(*a):
+        y, vjp_fn = jax.vjp(fn, *a)
+        return vjp_fn(jax.tree.map(ones, y))
+    return temp_bytes(jax.jit(fwd_bwd).lower(*specs))
 
 
 def saved_bytes(program: OpGraph, start: int, stop: int, kept: Iterable[int]) -> int | None:
