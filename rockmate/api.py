@@ -8,12 +8,12 @@ from typing import Callable, Mapping
 
 import jax
 
+from .blocks import BLOCK_PREFIX, find_chain
 from .budget import parse_bytes
 from .calibrate import program_temp_bytes
+from .graph.signature import fingerprint
 from .lowering import lower
 from .plan import RematPlan
-from .blocks import BLOCK_PREFIX, find_chain
-from .graph.signature import fingerprint
 from .planner import analyze, make_plan, min_budget_of, trace
 
 

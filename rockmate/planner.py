@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-
 from .block_ilp import BlockOption, pareto_front, pareto_options
 from .calibrate import measured_forward, measured_option, saved_bytes
 from .block_graph import block_graph
