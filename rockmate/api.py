@@ -1,18 +1,20 @@
 """Public entry points: remat, plan_remat, apply_plan, min_budget, block."""
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Callable, Mapping
+import warnings
+from typing import Callable, Mapping
 
 import jax
 
+from .blocks import BLOCK_PREFIX, find_chain
 from .budget import parse_bytes
+from .calibrate import program_temp_bytes
+from .graph.signature import fingerprint
 from .lowering import lower
 from .plan import RematPlan
 from .planner import analyze, make_plan, min_budget_of, trace
-from .blocks import find_chain
-from .planner import fingerprint
-from .jax_graph import BLOCK_PREFIX
 
 
 _ANALYSES: dict = {}
@@ -67,15 +69,13 @@ class RematFunction:
         key = (treedef, tuple((getattr(l, "shape", None), str(getattr(l, "dtype", type(l))))
                               for l in leaves))
         if key not in self._cache:
-            program, in_tree, out_tree = trace(self._f, args, kwargs)
-            chain = find_chain(program)
-            fp = fingerprint(program, chain)
-            if fp != self.schedule.fingerprint:
+            program = trace(self._f, args, kwargs)
+            if fingerprint(program) != self.schedule.fingerprint:
                 raise ValueError(
                     "this remat plan was made for a different program (other shapes, dtypes or "
                     "model structure); call rockmate.plan_remat again with the new arguments")
-            self._cache[key] = (lower(program, chain, dict(enumerate(self.schedule.blocks)),
-                                      self.schedule.schedule, self._boundary_conds), out_tree)
+            self._cache[key] = (lower(program, find_chain(program), dict(enumerate(self.schedule.blocks)),
+                                      self.schedule.schedule, self._boundary_conds), program.out_tree)
         return leaves, self._cache[key]
 
     def __call__(self, *args, **kwargs):
@@ -93,14 +93,47 @@ def apply_plan(f: Callable, plan: RematPlan | dict, *, boundary_conds: bool = Tr
     return RematFunction(f, plan, boundary_conds)
 
 
+# A compiled program within this share of its budget counts as fitting (XLA's scratch
+# moves by a few KB between otherwise equal schedules).
+BUDGET_SLACK = 0.01
+REPLANS = 2  # extra plans at a lower budget when the compiled program measures over
+
+
 def remat(f: Callable, memory_budget: int | str, *example_args,
           profile: Mapping[str, float] | None = None, calibrate: bool = True) -> RematFunction:
     """f rescheduled so its forward+backward temp memory fits `memory_budget` at least recompute.
 
     The result has `.schedule` (a RematPlan: per-block kept values, predicted time and memory).
+    With `calibrate`, the scheduled program is compiled once and its temp bytes recorded in
+    `.schedule.measured_temp_bytes`; while over budget it is re-planned for the prediction
+    lowered by the overshoot (at most REPLANS times), and a program that still does not fit
+    gets a warning saying by how much.
     """
-    return apply_plan(f, plan_remat(f, memory_budget, *example_args, profile=profile,
-                                    calibrate=calibrate))
+    budget = parse_bytes(memory_budget)
+    plan = plan_remat(f, budget, *example_args, profile=profile, calibrate=calibrate)
+    if not calibrate:
+        return apply_plan(f, plan)
+    best = None
+    for _ in range(REPLANS + 1):
+        measured = program_temp_bytes(apply_plan(f, plan), example_args)
+        plan = dataclasses.replace(plan, budget_bytes=budget, measured_temp_bytes=measured)
+        if best is None or measured < best.measured_temp_bytes:
+            best = plan
+        if measured <= budget * (1 + BUDGET_SLACK):
+            break
+        target = plan.predicted_temp_bytes - (measured - budget)  # what fits if the overshoot stays
+        if target < plan.min_budget_bytes:
+            break
+        plan = plan_remat(f, target, *example_args, profile=profile, calibrate=calibrate)
+    if best.measured_temp_bytes > budget * (1 + BUDGET_SLACK):
+        warnings.warn(
+            f"rockmate.remat: the compiled forward+backward of {getattr(f, '__name__', 'f')} needs "
+            f"{best.measured_temp_bytes / 1e6:.2f} MB of temp memory, "
+            f"{100 * (best.measured_temp_bytes / budget - 1):.1f} % over the budget of {budget / 1e6:.2f} MB "
+            f"(predicted {best.predicted_temp_bytes / 1e6:.2f} MB; the least rockmate plans for is "
+            f"{best.min_budget_bytes / 1e6:.2f} MB). Raise the budget by "
+            f"{(best.measured_temp_bytes - budget) / 1e6:.2f} MB or cut the batch.", stacklevel=2)
+    return apply_plan(f, best)
 
 
 def block(fn: Callable, **jit_kwargs) -> Callable:

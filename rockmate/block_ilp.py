@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from .blocks import BlockGraph
+from .block_graph import BlockGraph
 
 
 @dataclass(frozen=True)

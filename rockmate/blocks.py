@@ -1,19 +1,22 @@
-"""The sequence of blocks of a flattened program and each block's op graph for the ILP.
+"""The sequence of blocks of a program's op graph and the memory flowing between them.
 
-Blocks come, in order of preference, from `rockmate.block` marks, from repeated identical
-op sub-sequences (unrolled layers), or from cuts where few activations are live; a
-`scan` over layers is one block whose body is solved once.
+Blocks come, in order of preference, from `rockmate.block` marks, from repeated layers
+(tandem repeats of op signatures, `rockmate.repeats`), or from cuts where few
+activations are live; a `scan` over layers is one block whose body is solved once.
 """
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 
-from .jax_graph import FlatOp, FlatProgram, Lit, aval_bytes, eval_ops, flatten, is_float
-from .op_costs import is_heavy, op_cost
+from .graph.op_graph import OpGraph
+from .graph.signature import op_signature, range_signature
+from .op_costs import op_cost
+from .repeats import tandem_repeats
+
+BLOCK_PREFIX = "rockmate_block"  # name prefix of the jit calls `rockmate.block` makes
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,9 @@ class Chain:
     """Blocks in program order plus the memory that flows between them.
 
     cut_bytes[i] is the activation memory live between block i-1 and block i
-    (cut_bytes[0] = program inputs, not counted as temp); side_bytes is memory of
-    values live across several cuts (held for the whole step).
+    (cut_bytes[0] = program inputs, not counted as temp); side_bytes is memory held for
+    the whole step whatever the schedule: values live across several cuts, and the
+    partial gradient sums of values several blocks read.
     """
 
     blocks: tuple[Block, ...]
@@ -40,223 +44,180 @@ class Chain:
     side_bytes: int
 
 
-@dataclass(frozen=True)
-class BlockGraph:
-    """Forward ops of one block as ILP nodes (one node per op)."""
+def abstract(graph: OpGraph, vid: int):
+    """A jax.ShapeDtypeStruct for value `vid` (TypeError for PRNG keys and tokens)."""
+    import jax
 
-    sizes_bytes: tuple[int, ...]  # bytes of the node's result if it is kept
-    live_bytes: tuple[int, ...]  # bytes it occupies when recomputed (0 if XLA fuses it away)
-    times_s: tuple[float, ...]
-    bwd_times_s: tuple[float, ...]
-    deps: tuple[tuple[int, ...], ...]  # producer nodes inside the block
-    residuals: frozenset[int]  # nodes whose result the backward pass reads
-    keepable: frozenset[int]  # nodes with a floating result (can carry a checkpoint name)
-    input_bytes: int
-    output_bytes: int
-    fwd_ws_bytes: int  # transient working memory of the forward (beyond kept values)
-    bwd_ws_bytes: int  # transient working memory of the backward (beyond kept/recomputed)
-    autodiff_extra_bytes: int = 0  # residuals plain autodiff saves that are not op results
-    views: tuple[tuple[int, int], ...] = ()  # (view node, source node): kept only with its source
+    return jax.ShapeDtypeStruct(graph.vars[vid].shape, np.dtype(graph.vars[vid].dtype))
 
 
-def _uses(program: FlatProgram) -> dict[int, list[int]]:
-    uses: dict[int, list[int]] = {}
-    for k, op in enumerate(program.ops):
-        for a in op.in_ids:
-            if not isinstance(a, Lit):
-                uses.setdefault(a, []).append(k)
-    return uses
-
-
-def _last_use(program: FlatProgram) -> dict[int, int]:
+def _last_use(program: OpGraph) -> dict[int, int]:
     """Value id -> index of its last consumer (len(ops) for program outputs)."""
     last: dict[int, int] = {}
     for k, op in enumerate(program.ops):
-        for a in op.in_ids:
-            if not isinstance(a, Lit):
+        for a in op.inputs:
+            if a not in program.literals:
                 last[a] = k
     for a in program.outvars:
-        if not isinstance(a, Lit):
+        if a not in program.literals:
             last[a] = len(program.ops)
     return last
 
 
-def _producers(program: FlatProgram) -> dict[int, int]:
-    return {vid: k for k, op in enumerate(program.ops) for vid in op.out_ids}
-
-
-def block_io(program: FlatProgram, start: int, stop: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def block_io(program: OpGraph, start: int, stop: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """External values read by ops [start, stop) and values they define that are used later."""
-    defined = {vid for op in program.ops[start:stop] for vid in op.out_ids}
+    defined = {vid for op in program.ops[start:stop] for vid in op.outputs}
     ins: list[int] = []
     seen: set[int] = set()
     for op in program.ops[start:stop]:
-        for a in op.in_ids:
-            if not isinstance(a, Lit) and a not in defined and a not in seen:
+        for a in op.inputs:
+            if a not in program.literals and a not in defined and a not in seen:
                 seen.add(a)
                 ins.append(a)
     last = _last_use(program)
-    outs = tuple(v for op in program.ops[start:stop] for v in op.out_ids if last.get(v, -1) >= stop)
+    outs = tuple(v for op in program.ops[start:stop] for v in op.outputs if last.get(v, -1) >= stop)
     return tuple(ins), outs
 
 
-def _op_signature(program: FlatProgram, k: int, producers: Mapping[int, int], start: int) -> str:
-    op = program.ops[k]
-    parts = [op.prim.name, repr(sorted((n, repr(v)) for n, v in op.params.items()))]
-    for a in op.in_ids:
-        if isinstance(a, Lit):
-            parts.append(f"L{a.val!r}")
-        else:
-            p = producers.get(a)
-            src = f"@{k - p}" if p is not None and p >= start else "ext"
-            parts.append(f"{program.avals[a]}{src}")
-    parts.extend(str(program.avals[v]) for v in op.out_ids)
-    return "|".join(parts)
-
-
-def _signature(program: FlatProgram, start: int, stop: int, producers) -> str:
-    h = hashlib.sha1()
-    for k in range(start, stop):
-        h.update(_op_signature(program, k, producers, start).encode())
-        h.update(b";")
-    return h.hexdigest()[:16]
-
-
-def _live_at_cuts(program: FlatProgram) -> list[list[int]]:
+def _live_at_cuts(program: OpGraph) -> list[list[int]]:
     """For each cut position c (before op c, c = 0..n), the non-input values live across it."""
     n = len(program.ops)
-    producers = _producers(program)
     last = _last_use(program)
-    starts = np.zeros(n + 2, dtype=np.int64)
     live: list[list[int]] = [[] for _ in range(n + 1)]
-    for vid, p in producers.items():
-        end = last.get(vid, -1)
-        for c in range(p + 1, min(end, n) + 1):
+    for vid, p in program.producer().items():
+        for c in range(p + 1, min(last.get(vid, -1), n) + 1):
             live[c].append(vid)
-    del starts
     return live
 
 
-def _periodic_region(program: FlatProgram, producers) -> tuple[int, int, int] | None:
-    """(start, period, repeats) of the longest run of identical consecutive op sequences."""
-    n = len(program.ops)
-    if n < 4:
-        return None
-    local = [_op_signature(program, k, producers, 0) for k in range(n)]
-    # relative-producer signatures do not depend on start; map to ints for fast compares
-    ids = {s: i for i, s in enumerate(dict.fromkeys(local))}
-    sig = np.array([ids[s] for s in local])
-    best = None
-    for p in range(2, n // 2 + 1):
-        eq = sig[:-p] == sig[p:]
-        if not eq.any():
-            continue
-        # longest run of True
-        padded = np.concatenate([[False], eq, [False]])
-        d = np.diff(padded.astype(np.int8))
-        run_starts = np.flatnonzero(d == 1)
-        run_ends = np.flatnonzero(d == -1)
-        lengths = run_ends - run_starts
-        j = int(np.argmax(lengths))
-        reps = (int(lengths[j]) + p) // p
-        if reps < 2:
-            continue
-        covered = reps * p
-        if best is None or covered > best[0]:
-            best = (covered, int(run_starts[j]), p, reps)
-    if best is None:
-        return None
-    return best[1], best[2], best[3]
+def side_values(live: Sequence[Sequence[int]], cuts: Sequence[int]) -> set[int]:
+    """Values live across more than one of `cuts`: a shared mask or position table read by
+    every layer, held for the whole step whatever the schedule, so it neither counts
+    against a cut nor stops one."""
+    counts: dict[int, int] = {}
+    for c in cuts:
+        for v in live[c]:
+            counts[v] = counts.get(v, 0) + 1
+    return {v for v, k in counts.items() if k > 1}
 
 
-def find_chain(program: FlatProgram, max_blocks: int = 32) -> Chain:
+def find_chain(program: OpGraph, max_blocks: int = 32) -> Chain:
     """Cut the program into a chain of blocks (see module docstring)."""
     n = len(program.ops)
-    producers = _producers(program)
+    producers = program.producer()
     live = _live_at_cuts(program)
-    cut_bytes_all = [sum(aval_bytes(program.avals[v]) for v in vs) for vs in live]
+    op_sigs = [op_signature(program, op) for op in program.ops]
     cuts = _marked_cuts(program)
     if cuts is None:
-        cuts = _periodic_cuts(program, producers, cut_bytes_all)
+        cuts = _repeat_cuts(program, op_sigs, live)
     if cuts is None:
         cuts = _narrow_cuts(program, live, max_blocks)
     # scans over layers get their own block
     for k, op in enumerate(program.ops):
-        if op.prim.name == "scan" and op.params.get("length", 1) > 1:
+        if op.name == "scan" and op.trip_count > 1:
             cuts.update({k, k + 1})
     cuts = sorted(c for c in cuts if 0 < c < n)
     bounds = [0] + cuts + [n]
     blocks = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        is_scan = b - a == 1 and program.ops[a].prim.name == "scan"
-        blocks.append(Block(a, b, is_scan, _signature(program, a, b, producers)))
-    # values live across more than one cut are "side" values held for the whole step
-    cut_sets = [set(live[c]) for c in bounds[1:-1]]
-    counts: dict[int, int] = {}
-    for s in cut_sets:
-        for v in s:
-            counts[v] = counts.get(v, 0) + 1
-    side = {v for v, c in counts.items() if c > 1}
-    side_bytes = sum(aval_bytes(program.avals[v]) for v in side)
-    cut_bytes = [0] + [sum(aval_bytes(program.avals[v]) for v in s - side) for s in cut_sets]
-    out_bytes = sum(aval_bytes(program.avals[v]) for v in program.outvars if not isinstance(v, Lit)
+        is_scan = b - a == 1 and program.ops[a].name == "scan"
+        blocks.append(Block(a, b, is_scan, range_signature(program, a, b, op_sigs, producers)))
+    side = side_values(live, bounds[1:-1])
+    side_bytes = sum(program.vars[v].nbytes for v in side) + _summed_gradient_bytes(program, blocks)
+    cut_bytes = [0] + [sum(program.vars[v].nbytes for v in live[c] if v not in side) for c in bounds[1:-1]]
+    out_bytes = sum(program.vars[v].nbytes for v in program.outvars if v not in program.literals
                     and v in producers)
     cut_bytes.append(out_bytes)
     return Chain(tuple(blocks), tuple(cut_bytes), side_bytes)
 
 
-def _marked_cuts(program: FlatProgram) -> set[int] | None:
+def _summed_gradient_bytes(program: OpGraph, blocks: Sequence[Block]) -> int:
+    """Bytes of the gradients of differentiable values that several blocks read (a tied
+    embedding, stacked weights a scan and the head both use, a learned table every layer
+    reads): each reader's backward adds to a partial sum held from the last reader's
+    backward to the first's (measured: +0.8 MB on a scan whose weights the epilogue reads)."""
+    grad = {v for v in program.invars if program.vars[v].is_float}
+    for op in program.ops:
+        if op.name != "stop_gradient" and any(a in grad for a in op.inputs):
+            grad.update(o for o in op.outputs if program.vars[o].is_float)
+    readers: dict[int, set[int]] = {}
+    for b, blk in enumerate(blocks):
+        for op in program.ops[blk.start:blk.stop]:
+            for a in op.inputs:
+                if a in grad:
+                    readers.setdefault(a, set()).add(b)
+    return sum(program.vars[v].nbytes for v, bs in readers.items() if len(bs) > 1)
+
+
+def _marked_cuts(program: OpGraph) -> set[int] | None:
     cuts: set[int] = set()
     prev = None
     for k, op in enumerate(program.ops):
-        if op.marker != prev:
+        if op.mark != prev:
             cuts.add(k)
-        prev = op.marker
-    if all(op.marker is None for op in program.ops):
+        prev = op.mark
+    if all(op.mark is None for op in program.ops):
         return None
     return cuts
 
 
-def _periodic_cuts(program: FlatProgram, producers, cut_bytes_all) -> set[int] | None:
-    region = _periodic_region(program, producers)
-    if region is None:
+MIN_PERIOD = 4  # ops in the shortest layer worth a block of its own
+MIN_COVER = 0.25  # share of the program a stack of layers must cover to be cut by layer
+
+
+def _repeat_cuts(program: OpGraph, op_sigs: Sequence[str], live) -> set[int] | None:
+    """Cuts between the copies of each repeated layer (a tandem repeat of structural op
+    signatures, `rockmate.repeats`) that covers a good share of the program. Signatures
+    carry no data flow, so the first layer (reading the embedding or the arguments) and
+    two-layer stacks repeat too, and a value every layer reads does not break the repeat."""
+    n = len(program.ops)
+    repeats = [r for r in tandem_repeats(op_sigs, min_period=MIN_PERIOD) if r[1] * r[2] >= MIN_COVER * n]
+    if not repeats:
         return None
-    start, period, reps = region
-    if reps * period < 0.5 * len(program.ops) or period < 4:
-        return None
-    # phase: where cuts carry the fewest live bytes on average (a phase > 0 has one cut
-    # fewer inside the region; comparing sums favoured it and merged the last layer into
-    # the epilogue, a block of its own signature to solve and calibrate). Among phases
-    # within 1 % of the fewest, prefer cuts whose values feed a matmul/conv/reduction (a
-    # buffer XLA materialises anyway, e.g. after a residual relu rather than before it).
+    uses = program.consumers()
+    cuts: set[int] = set()
+    for start, period, copies in repeats:
+        cuts |= _layer_cuts(program, live, uses, start, period, copies)
+    return cuts
+
+
+def _layer_cuts(program: OpGraph, live, uses, start: int, period: int, copies: int) -> set[int]:
+    """The cuts of one repeat at its best phase. Phase: where cuts carry the fewest live
+    bytes, side values left out, compared on the cuts after the first copy (the same
+    number for every phase, each preceded by a whole layer; the first copy may read
+    program inputs, which are not temp, and favoured a phase cutting inside it). Among
+    phases within 1 % of the fewest, prefer cuts whose values feed a
+    matmul/conv/reduction (a buffer XLA materialises anyway, e.g. after a residual relu
+    rather than before it). A phase > 0 leaves one block fewer inside the repeat."""
+    def phase_cuts(ph):
+        return [start + ph + j * period for j in range(copies + 1 if ph == 0 else copies)]
+
     def mean_bytes(ph):
-        cs = [start + ph + j * period for j in range(reps - (1 if ph else 0))]
-        return sum(cut_bytes_all[c] for c in cs) / len(cs)
-    means = {ph: mean_bytes(ph) for ph in range(period)}
-    low = min(means.values())
-    near = [ph for ph in range(period) if means[ph] <= 1.01 * low + 64]
-    uses = _uses(program)
+        side = side_values(live, phase_cuts(ph))
+        cs = [start + ph + j * period for j in range(1, copies)]
+        return sum(program.vars[v].nbytes for c in cs for v in live[c] if v not in side) / len(cs)
 
     def feeds_heavy(ph):
         c = start + ph
-        vals = [v for v in program.ops[c - 1].out_ids] if c > 0 else []
-        return sum(any(program.ops[k].prim.name in _MATERIALISING for k in uses.get(v, ())) for v in vals)
-    best_phase = min(near, key=lambda ph: (-feeds_heavy(ph), ph))
-    first = start + best_phase
-    nblocks = reps if best_phase == 0 else reps - 1
-    return {first + j * period for j in range(nblocks + 1)}
+        vals = program.ops[c - 1].outputs if c > 0 else ()
+        return sum(any(program.ops[k].name in _MATERIALISING for k in uses.get(v, ())) for v in vals)
+
+    means = {ph: mean_bytes(ph) for ph in range(period)}
+    low = min(means.values())
+    near = [ph for ph in range(period) if means[ph] <= 1.01 * low + 64]
+    return set(phase_cuts(min(near, key=lambda ph: (-feeds_heavy(ph), ph))))
 
 
-def _narrow_cuts(program: FlatProgram, live, max_blocks: int) -> set[int]:
+def _narrow_cuts(program: OpGraph, live, max_blocks: int) -> set[int]:
     """Cuts where the number of large live activations is minimal, merged to <= max_blocks."""
     n = len(program.ops)
     if n < 2:
         return set()
-    big = max((aval_bytes(a) for a in program.avals), default=0)
-    counts = [sum(1 for v in live[c] if aval_bytes(program.avals[v]) >= 0.1 * big) for c in range(n + 1)]
+    big = max((a.nbytes for a in program.vars.values()), default=0)
+    counts = [sum(1 for v in live[c] if program.vars[v].nbytes >= 0.1 * big) for c in range(n + 1)]
     inner = counts[1:n]
     low = min(inner)
-    cand = [c for c in range(1, n) if counts[c] == low and program.ops[c - 1].prim.name not in ("scan",)]
+    cand = [c for c in range(1, n) if counts[c] == low and program.ops[c - 1].name not in ("scan",)]
     if len(cand) + 1 <= max_blocks:
         return set(cand)
     # keep cuts that balance op time
@@ -269,107 +230,4 @@ def _narrow_cuts(program: FlatProgram, live, max_blocks: int) -> set[int]:
     return chosen
 
 
-def block_graph(program: FlatProgram, start: int, stop: int,
-                profile: Mapping[str, float] | None = None) -> BlockGraph:
-    """ILP nodes of ops [start, stop): sizes, times, dependencies and residual needs."""
-    ops = program.ops[start:stop]
-    local = {vid: j for j, op in enumerate(ops) for vid in op.out_ids}
-    ins, outs = block_io(program, start, stop)
-    out_set = set(outs)
-    consumers: dict[int, list[FlatOp]] = {}
-    for op in ops:
-        for a in op.in_ids:
-            if not isinstance(a, Lit) and a in local:
-                consumers.setdefault(local[a], []).append(op)
-    sizes, live, times, bwd, deps, keepable = [], [], [], [], [], set()
-    residuals: set[int] = set()
-    for j, op in enumerate(ops):
-        cost = op_cost(program, op, profile)
-        size = sum(aval_bytes(program.avals[v]) for v in op.out_ids)
-        materialized = (is_heavy(op) or any(is_heavy(c) for c in consumers.get(j, ()))
-                        or any(v in out_set for v in op.out_ids))
-        sizes.append(size)
-        live.append(size if materialized else 0)
-        times.append(cost.time_s)
-        bwd.append(cost.bwd_time_s)
-        d = tuple(sorted({local[a] for a in op.in_ids if not isinstance(a, Lit) and a in local}))
-        deps.append(d)
-        if all(is_float(program.avals[v]) for v in op.out_ids) and op.out_ids:
-            keepable.add(j)
-        if cost.needs_output:
-            residuals.add(j)
-        if cost.needs_inputs:
-            residuals.update(d)
-    probed = autodiff_residuals(program, start, stop)
-    extra = 0
-    if probed is not None:
-        residuals, extra = set(probed[0]), probed[1]
-    # reshapes are bitcasts in XLA: keeping one costs nothing beyond its (kept) source
-    views = {}
-    for j, op in enumerate(ops):
-        if op.prim.name in _VIEWS and deps[j] and len(op.in_ids) == 1:
-            views[j] = deps[j][0]
-            sizes[j] = 0
-    # a residual XLA would otherwise fuse away still occupies memory when kept/recomputed,
-    # except broadcasts and scalar converts, which XLA re-fuses into their consumers
-    live = [sizes[j] if j in residuals and ops[j].prim.name not in _FREE else live[j]
-            for j in range(len(ops))]
-    in_bytes = sum(aval_bytes(program.avals[v]) for v in ins if v not in program.consts)
-    out_bytes = sum(aval_bytes(program.avals[v]) for v in outs)
-    big = max(live, default=0)
-    return BlockGraph(tuple(sizes), tuple(live), tuple(times), tuple(bwd), tuple(deps),
-                      frozenset(residuals), frozenset(keepable), in_bytes, out_bytes,
-                      fwd_ws_bytes=big, bwd_ws_bytes=2 * big, autodiff_extra_bytes=extra,
-                      views=tuple(sorted(views.items())))
-
-
-_VIEWS = {"reshape", "squeeze", "expand_dims"}
 _MATERIALISING = {"dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "reduce_min"}
-_FREE = {"broadcast_in_dim", "iota", "convert_element_type", "reshape", "squeeze", "expand_dims"}
-
-
-def autodiff_residuals(program: FlatProgram, start: int, stop: int) -> tuple[frozenset[int], int] | None:
-    """Which ops' results JAX's own VJP of ops [start, stop) saves (local indices), and the
-    bytes of saved values that are not op results (linearization intermediates)."""
-    import jax
-
-    ins, outs = block_io(program, start, stop)
-    ins = tuple(v for v in ins if v not in program.consts)
-    if not outs:
-        return None
-    captured: dict = {}
-
-    def fn(*vals):
-        env = dict(zip(ins, vals))
-        eval_ops(program, start, stop, env)
-        captured.clear()
-        captured.update(env)
-        return tuple(env[o] for o in outs)
-
-    found: list = []
-
-    def probe(*vals):
-        out, vjp_fn = jax.vjp(fn, *vals)
-        by_id = {id(getattr(v, "primal", v)): vid for vid, v in captured.items()}
-        producer = {vid: j for j, op in enumerate(program.ops[start:stop]) for vid in op.out_ids}
-        res, extra = set(), 0
-        for leaf in jax.tree.leaves(vjp_fn):
-            vid = by_id.get(id(leaf))
-            if vid is not None and vid in producer:
-                res.add(producer[vid])
-            elif vid is None:
-                extra += int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
-        found.append((frozenset(res), extra))
-        return out
-
-    specs = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype) for v in ins]
-    try:
-        jax.make_jaxpr(probe)(*specs)
-    except Exception:  # non-differentiable blocks (e.g. integer-only): fall back to rules
-        return None
-    return found[0]
-
-
-def scan_body_program(op: FlatOp) -> FlatProgram:
-    """The flattened body of a scan op."""
-    return flatten(op.params["jaxpr"])

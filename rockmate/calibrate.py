@@ -8,22 +8,23 @@ gives its forward working memory and, per option, the peak of its forward+backwa
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+from typing import Callable, Iterable
 
 import jax
+import numpy as np
 
-from .blocks import block_io
-from .jax_graph import FlatProgram, eval_ops, is_float
-from .lowering import materialize, recompute_region, tie_choice
+from .blocks import Block, abstract, block_io
+from .graph.evaluate import eval_ops
+from .graph.op_graph import OpGraph
+from .lowering import block_function, named_outputs
 
 
-def _block_fn(program: FlatProgram, start: int, stop: int, names=None):
+def _block_fn(program: OpGraph, start: int, stop: int, names=None):
     ins, outs = block_io(program, start, stop)
-    ins = tuple(v for v in ins if v not in program.consts)
 
     def fn(*vals):
         env = dict(zip(ins, vals))
-        eval_ops(program, start, stop, env, names)
+        eval_ops(program, env, range(start, stop), named_outputs(program, names))
         return tuple(env[o] for o in outs)
     return fn, ins, outs
 
@@ -46,57 +47,61 @@ def temp_bytes(lowered) -> int:
     return _TEMP_CACHE[key]
 
 
-def _spec(program: FlatProgram, v: int):
-    return jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype)
-
-
-def measured_forward(program: FlatProgram, start: int, stop: int) -> int | None:
+def measured_forward(program: OpGraph, start: int, stop: int) -> int | None:
     """Temp bytes of the block's forward alone (inputs and outputs excluded)."""
     fn, ins, outs = _block_fn(program, start, stop)
     if not outs:
         return None
     try:
-        return temp_bytes(jax.jit(fn).lower(*[_spec(program, v) for v in ins]))
+        return temp_bytes(jax.jit(fn).lower(*[abstract(program, v) for v in ins]))
     except Exception:  # e.g. a block that cannot be compiled alone
         return None
 
 
-def measured_option(program: FlatProgram, start: int, stop: int, kept: Iterable[int] | None) -> int | None:
-    """Temp bytes of the block's forward+backward lowered with `kept` (local op indices)
-    saved by name (None: plain autodiff). Inputs, output cotangents and input cotangents
-    are arguments/outputs, not temp."""
-    names = None if kept is None else {start + i: f"cal_{start + i}" for i in kept}
-    fn, ins, outs = _block_fn(program, start, stop, names)
+def measured_option(program: OpGraph, blk: Block, option) -> int | None:
+    """Temp bytes of one block's forward+backward, lowered exactly as the schedule runs it
+    with `option` (see `lowering.block_function`; a scan block whole, its loops included).
+    Inputs, output cotangents and input cotangents are arguments/outputs, not temp."""
+    fn, ins, outs = block_function(program, blk, option)
     if not outs or not ins:
         return None
-    out_specs = [_spec(program, v) for v in outs]
-    float_out = [is_float(s) for s in out_specs]
-    if kept is None:
-        region = fn
-    else:
-        invars = set(program.invars)
-        act = [v not in invars and is_float(program.avals[v]) for v in ins]
-        policy = jax.checkpoint_policies.save_only_these_names(*names.values())
-        region = recompute_region(fn, tie_choice(program, start, stop, ins), policy, act)
-
-    def lowered(*vals):  # as the schedule runs a block: outputs leave through `materialize`
-        return tuple(materialize(list(region(*vals))))
+    float_out = [program.vars[v].is_float for v in outs]
 
     def fwd_bwd(vals, cts):
-        _, vjp_fn = jax.vjp(lowered, *vals)
+        _, vjp_fn = jax.vjp(fn, *vals)
         it = iter(cts)
-        full = tuple(next(it) if f else jax.numpy.zeros(s.shape, jax.dtypes.float0)
-                     for s, f in zip(out_specs, float_out))
+        full = tuple(next(it) if f else jax.numpy.zeros(program.vars[v].shape, jax.dtypes.float0)
+                     for v, f in zip(outs, float_out))
         return vjp_fn(full)
 
     try:
-        cts = [s for s, f in zip(out_specs, float_out) if f]
-        return temp_bytes(jax.jit(fwd_bwd).lower([_spec(program, v) for v in ins], cts))
+        cts = [abstract(program, v) for v, f in zip(outs, float_out) if f]
+        return temp_bytes(jax.jit(fwd_bwd).lower([abstract(program, v) for v in ins], cts))
     except Exception:  # integer-only or otherwise non-differentiable block
         return None
 
 
-def saved_bytes(program: FlatProgram, start: int, stop: int, kept: Iterable[int]) -> int | None:
+def program_temp_bytes(fn: Callable, args: tuple) -> int:
+    """XLA's temp bytes of the compiled forward+backward of `fn(*args)`: `jax.grad` in the
+    first argument for a scalar output (how a memory budget is defined), a VJP in every
+    argument otherwise."""
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), args)
+    out = jax.eval_shape(fn, *specs)
+    if isinstance(out, jax.ShapeDtypeStruct) and out.shape == () and jax.numpy.issubdtype(out.dtype, jax.numpy.floating):
+        return temp_bytes(jax.jit(jax.grad(fn)).lower(*specs))
+
+    def ones(y):
+        if jax.numpy.issubdtype(y.dtype, jax.numpy.inexact):
+            return jax.numpy.ones_like(y)
+        return np.zeros(y.shape, jax.dtypes.float0)
+
+    def fwd_bwd(*a):
+        y, vjp_fn = jax.vjp(fn, *a)
+        return vjp_fn(jax.tree.map(ones, y))
+    return temp_bytes(jax.jit(fwd_bwd).lower(*specs))
+
+
+def saved_bytes(program: OpGraph, start: int, stop: int, kept: Iterable[int]) -> int | None:
     """Bytes JAX actually saves between forward and backward when the block runs with
     `kept` (local op indices) saved by name (block inputs excluded)."""
     names = {start + i: f"cal_{start + i}" for i in kept}
@@ -113,7 +118,7 @@ def saved_bytes(program: FlatProgram, start: int, stop: int, kept: Iterable[int]
         return 0
 
     try:
-        jax.make_jaxpr(probe)(*[_spec(program, v) for v in ins])
+        jax.make_jaxpr(probe)(*[abstract(program, v) for v in ins])
     except Exception:  # non-differentiable block
         return None
     return total[0]

@@ -17,10 +17,12 @@ from typing import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from .block_ilp import BlockOption
-from .blocks import Block, Chain, block_io, scan_body_program
-from .jax_graph import FlatProgram, Lit, aval_bytes, eval_ops, is_float, lookup
+from .blocks import Block, Chain, block_io
+from .graph.evaluate import OutputHook, eval_ops
+from .graph.op_graph import OpGraph
 from .sequence_dp import Leaf, Schedule, Split
 
 _uid = itertools.count()
@@ -41,7 +43,19 @@ def _tie_to_cotangent(vals, ct):
     return [tie(v) for v in vals]
 
 
-def tie_choice(program: FlatProgram, start: int, stop: int, ins: Sequence[int]) -> list[bool]:
+def named_outputs(graph: OpGraph, names: Mapping[int, str] | None) -> OutputHook | None:
+    """An `eval_ops` hook that attaches `checkpoint_name(names[op index])` to the floating
+    results of the named ops (what a `save_only_these_names` policy keeps)."""
+    if not names:
+        return None
+
+    def hook(op, vid, value):
+        name = names.get(op.index)
+        return checkpoint_name(value, name) if name is not None and graph.vars[vid].is_float else value
+    return hook
+
+
+def tie_choice(program: OpGraph, start: int, stop: int, ins: Sequence[int]) -> list[bool]:
     """Which region inputs to tie to the cotangent so every op that depends on an input is
     recomputed after the cotangent: activations first, then program inputs, smallest first,
     until each such op depends on a tied input; also every program input as large as the
@@ -51,16 +65,15 @@ def tie_choice(program: FlatProgram, start: int, stop: int, ins: Sequence[int]) 
     op_deps = []
     for op in program.ops[start:stop]:
         d = 0
-        for a in op.in_ids:
-            if not isinstance(a, Lit):
-                d |= dep.get(a, 0)
-        for o in op.out_ids:
+        for a in op.inputs:
+            d |= dep.get(a, 0)
+        for o in op.outputs:
             dep[o] = d
         if d:
             op_deps.append(d)
     invars = set(program.invars)
-    numeric = [i for i, v in enumerate(ins) if program.avals[v].dtype != jnp.bool_]
-    order = sorted(numeric, key=lambda i: (ins[i] in invars, aval_bytes(program.avals[ins[i]])))
+    numeric = [i for i, v in enumerate(ins) if program.vars[v].dtype != "bool"]
+    order = sorted(numeric, key=lambda i: (ins[i] in invars, program.vars[ins[i]].nbytes))
     tied = 0
     for i in order:
         if all(d & tied for d in op_deps):
@@ -71,10 +84,10 @@ def tie_choice(program: FlatProgram, start: int, stop: int, ins: Sequence[int]) 
     # backward's own work on them (e.g. the transposed image a conv's weight gradient reads)
     # must not be hoisted to the start of the program either
     _, outs = block_io(program, start, stop)
-    act = max([aval_bytes(program.avals[v]) for v in outs] or [0])
+    act = max([program.vars[v].nbytes for v in outs] or [0])
     for i in numeric:
         v = ins[i]
-        if v in invars and is_float(program.avals[v]) and aval_bytes(program.avals[v]) >= act // 2 > 0:
+        if v in invars and program.vars[v].is_float and program.vars[v].nbytes >= act // 2 > 0:
             tied |= 1 << i
     return [bool(tied >> i & 1) for i in range(len(ins))]
 
@@ -166,69 +179,77 @@ def recompute_region(fn: Callable, tie_mask: Sequence[bool], policy=None,
     return region
 
 
-def lower(program: FlatProgram, chain: Chain, options: Mapping[int, BlockOption],
+Region = tuple[Callable, tuple[int, ...], tuple[int, ...]]  # fn(*ins) -> outs, input ids, output ids
+
+
+def region_function(program: OpGraph, start: int, stop: int, body: Callable[[dict], None],
+                    policy_names: Sequence[str] | None, recompute: bool, boundary: bool = False,
+                    boundary_conds: bool = True) -> Region:
+    """Ops [start, stop) as a function of their external inputs: `body(env)` fills in the
+    outputs; with `recompute`, its backward recomputes it (saving `policy_names`) after
+    the cotangent arrives; with `boundary`, outputs leave through `materialize`."""
+    ins, outs = block_io(program, start, stop)
+
+    def fn(*vals):
+        local = dict(zip(ins, vals))
+        body(local)
+        return tuple(local[o] for o in outs)
+
+    if recompute:
+        invars = set(program.invars)
+        act_mask = [v not in invars and program.vars[v].is_float for v in ins]
+        policy = (jax.checkpoint_policies.save_only_these_names(*policy_names)
+                  if policy_names is not None else None)
+        fn = recompute_region(fn, tie_choice(program, start, stop, ins), policy, act_mask, boundary_conds)
+    if boundary and boundary_conds:
+        inner = fn
+        fn = lambda *vals: tuple(materialize(list(inner(*vals))))  # noqa: E731
+    return fn, ins, outs
+
+
+def block_function(program: OpGraph, blk: Block, option, boundary_conds: bool = True) -> Region:
+    """One block run as the schedule runs it with `option` (a BlockOption or BlockChoice:
+    `kept` op indices within the block or scan body, `keep_all` for plain autodiff)."""
+    tag = f"rm{next(_uid)}"
+    if blk.is_scan:
+        return region_function(program, blk.start, blk.stop, lambda e: _run_scan(program, blk, option, e, tag),
+                               None, recompute=False)
+    names = {blk.start + i: f"{tag}_{blk.start + i}" for i in option.kept}
+
+    def body(e):
+        eval_ops(program, e, range(blk.start, blk.stop), named_outputs(program, names))
+    return region_function(program, blk.start, blk.stop, body, tuple(names.values()),
+                           recompute=not option.keep_all, boundary=True, boundary_conds=boundary_conds)
+
+
+def lower(program: OpGraph, chain: Chain, options: Mapping[int, BlockOption],
           schedule: Schedule, boundary_conds: bool = True) -> Callable:
     """A function of the program's flat inputs that runs `schedule` and returns flat outputs.
 
     `boundary_conds=False` leaves out the `cond`s that materialise block outputs and input
     cotangents (for planners that cannot shard through a `cond`; XLA may then keep more)."""
-    invar_set = set(program.invars)
-
-    def run_region(start: int, stop: int, env: dict, body: Callable[[dict], None],
-                   policy_names: Sequence[str] | None, recompute: bool, boundary: bool = False) -> None:
-        ins, outs = block_io(program, start, stop)
-        ins = tuple(v for v in ins if v not in program.consts)
-
-        def fn(*vals):
-            local = dict(zip(ins, vals))
-            body(local)
-            return tuple(local[o] for o in outs)
-
-        vals = [env[v] for v in ins]
-        if not recompute:
-            res = fn(*vals)
-        else:
-            act_mask = [v not in invar_set and is_float(program.avals[v]) for v in ins]
-            tie_mask = tie_choice(program, start, stop, ins)
-            policy = (jax.checkpoint_policies.save_only_these_names(*policy_names)
-                      if policy_names is not None else None)
-            res = recompute_region(fn, tie_mask, policy, act_mask, boundary_conds)(*vals)
-        if boundary and boundary_conds:
-            res = materialize(res)
-        env.update(zip(outs, res))
-
-    def run_block(b: int, env: dict) -> None:
-        blk = chain.blocks[b]
-        opt = options[b]
-        tag = f"rm{next(_uid)}"
-        if blk.is_scan:
-            run_region(blk.start, blk.stop, env, lambda e: _run_scan(program, blk, opt, e, tag),
-                       None, recompute=False)
-            return
-        names = {blk.start + i: f"{tag}_{blk.start + i}" for i in opt.kept}
-
-        def body(e):
-            eval_ops(program, blk.start, blk.stop, e, names)
-        run_region(blk.start, blk.stop, env, body, tuple(names.values()),
-                   recompute=not opt.keep_all, boundary=True)
+    def run(region: Region, env: dict) -> None:
+        fn, ins, outs = region
+        env.update(zip(outs, fn(*[env[v] for v in ins])))
 
     def run_seq(tree: Schedule, env: dict) -> None:
         if isinstance(tree, Leaf):
-            run_block(tree.block, env)
+            run(block_function(program, chain.blocks[tree.block], options[tree.block], boundary_conds), env)
             if tree.rest is not None:
                 run_seq(tree.rest, env)
             return
         start = chain.blocks[_first_block(tree.left)].start
         stop = chain.blocks[tree.at - 1].stop
-        run_region(start, stop, env, lambda e: run_seq(tree.left, e), None, recompute=True)
+        run(region_function(program, start, stop, lambda e: run_seq(tree.left, e), None, recompute=True,
+                            boundary_conds=boundary_conds), env)
         run_seq(tree.right, env)
 
-    def run(*flat_args):
+    def run_program(*flat_args):
         env = dict(zip(program.invars, flat_args))
         run_seq(schedule, env)
-        return [lookup(program, env, v) for v in program.outvars]
+        return [env[v] if v in env else program.literals[v] for v in program.outvars]
 
-    return run
+    return run_program
 
 
 def _first_block(tree: Schedule) -> int:
@@ -237,25 +258,25 @@ def _first_block(tree: Schedule) -> int:
     return tree.block
 
 
-def _run_scan(program: FlatProgram, blk: Block, opt: BlockOption, env: dict, tag: str) -> None:
+def _run_scan(program: OpGraph, blk: Block, opt: BlockOption, env: dict, tag: str) -> None:
     """Re-emit the scan with a body checkpointed under the option's name policy."""
     op = program.ops[blk.start]
     p = op.params
-    body = scan_body_program(op)
+    body = op.body
     nc, ncarry = p["num_consts"], p["num_carry"]
-    args = [lookup(program, env, a) for a in op.in_ids]
+    args = [env[a] if a in env else program.literals[a] for a in op.inputs]
     consts, init, xs = args[:nc], args[nc:nc + ncarry], args[nc + ncarry:]
     names = {k: f"{tag}_{k}" for k in opt.kept}
 
     def step(carry, x):
         e = dict(zip(body.invars, list(consts) + list(carry) + list(x)))
-        eval_ops(body, 0, len(body.ops), e, names)
-        outs = [lookup(body, e, v) for v in body.outvars]
+        eval_ops(body, e, on_output=named_outputs(body, names))
+        outs = [e[v] if v in e else body.literals[v] for v in body.outvars]
         return outs[:ncarry], outs[ncarry:]
 
     if not opt.keep_all:
         step = jax.checkpoint(step, policy=jax.checkpoint_policies.save_only_these_names(*names.values()))
     carry, ys = lax.scan(step, list(init), list(xs), length=p["length"], reverse=p["reverse"],
                          unroll=p.get("unroll", 1))
-    for vid, val in zip(op.out_ids, list(carry) + list(ys)):
+    for vid, val in zip(op.outputs, list(carry) + list(ys)):
         env[vid] = val

@@ -1,13 +1,12 @@
 """Per-op cost estimates: roofline time (or a measured profile), backward time, and which
-values an op's backward pass reads (its residuals)."""
+values an op's backward pass reads (its residuals). FLOPs and bytes are the op graph's
+(`rockmate/graph/flops.py`), the project's one counter."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping
 
-import numpy as np
-
-from .jax_graph import FlatOp, FlatProgram, Lit, aval_bytes
+from .graph.op_graph import Op, OpGraph
 
 # Default roofline machine: a 2-core CPU (measured: 512^3 fp32 matmul in XLA ~ 73 GFLOP/s).
 PEAK_FLOPS_PER_S = 7.0e10
@@ -19,6 +18,7 @@ _NEEDS_NOTHING = {
     "add", "sub", "neg", "add_any", "reshape", "squeeze", "expand_dims", "broadcast_in_dim",
     "transpose", "reduce_sum", "convert_element_type", "slice", "concatenate", "pad", "copy",
     "copy_p", "rev", "cumsum", "stop_gradient", "reduce_precision", "real", "imag", "conj",
+    "optimization_barrier",
 }
 # Backward reads only the op's own output.
 _NEEDS_OUTPUT = {"exp", "tanh", "logistic", "sqrt", "exp2"}
@@ -51,61 +51,22 @@ class OpCost:
     needs_output: bool  # backward reads the op's result
 
 
-def op_key(program: FlatProgram, op: FlatOp) -> str:
+def op_key(graph: OpGraph, op: Op) -> str:
     """A profile key: primitive plus operand and result shapes/dtypes."""
     def sig(ids):
-        parts = []
-        for i in ids:
-            if isinstance(i, Lit):
-                parts.append("lit")
-            else:
-                a = program.avals[i]
-                parts.append(f"{getattr(a, 'dtype', '?')}{list(getattr(a, 'shape', ()))}")
-        return ",".join(parts)
-    return f"{op.prim.name}({sig(op.in_ids)})->({sig(op.out_ids)})"
+        return ",".join("lit" if i in graph.literals else f"{graph.vars[i].dtype}{list(graph.vars[i].shape)}"
+                        for i in ids)
+    return f"{op.name}({sig(op.inputs)})->({sig(op.outputs)})"
 
 
-def _flops(program: FlatProgram, op: FlatOp) -> float:
-    out_elems = sum(int(np.prod(getattr(program.avals[i], "shape", ()), dtype=np.int64))
-                    for i in op.out_ids)
-    name = op.prim.name
-    if name == "dot_general":
-        (lc, _), _ = op.params["dimension_numbers"]
-        lhs = program.avals[op.in_ids[0]]
-        k = int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64))
-        return 2.0 * out_elems * k
-    if name == "conv_general_dilated":
-        rhs = program.avals[op.in_ids[1]]
-        dn = op.params["dimension_numbers"]
-        rhs_spec = dn.rhs_spec if dn is not None else tuple(range(len(rhs.shape)))
-        # rhs_spec[0] = out feature dim, rhs_spec[1] = in feature dim, rest spatial
-        k = int(np.prod([rhs.shape[d] for d in rhs_spec[1:]], dtype=np.int64))
-        return 2.0 * out_elems * k
-    if name in ("scan", "while"):
-        body = op.params.get("jaxpr") or op.params.get("body_jaxpr")
-        length = op.params.get("length", 1)
-        inner = sum(_flops_closed(body)) if body is not None else 0.0
-        return length * inner
-    in_elems = sum(int(np.prod(getattr(program.avals[i], "shape", ()), dtype=np.int64))
-                   for i in op.in_ids if not isinstance(i, Lit))
-    return float(max(out_elems, in_elems))
-
-
-def _flops_closed(closed) -> list[float]:
-    from .jax_graph import flatten
-    prog = flatten(closed)
-    return [_flops(prog, o) for o in prog.ops]
-
-
-def op_cost(program: FlatProgram, op: FlatOp, profile: Mapping[str, float] | None = None) -> OpCost:
-    """Roofline (or profiled) time of `op`, its backward time and its residual needs."""
-    name = op.prim.name
-    flops = _flops(program, op)
-    nbytes = float(sum(aval_bytes(program.avals[i]) for i in op.in_ids if not isinstance(i, Lit))
-                   + sum(aval_bytes(program.avals[i]) for i in op.out_ids))
+def op_cost(graph: OpGraph, op: Op, profile: Mapping[str, float] | None = None) -> OpCost:
+    """Roofline (or profiled) time of `op` from the graph's FLOPs and bytes, its backward
+    time and its residual needs."""
+    name = op.name
+    flops, nbytes = op.flops, op.bytes_accessed
     time_s = max(flops / PEAK_FLOPS_PER_S, nbytes / MEMORY_BW_BYTES_PER_S) + OP_OVERHEAD_S
     if profile is not None:
-        time_s = float(profile.get(op_key(program, op), time_s))
+        time_s = float(profile.get(op_key(graph, op), time_s))
     if name in _NON_DIFF:
         return OpCost(flops, nbytes, time_s, 0.0, False, False)
     if name in _NEEDS_NOTHING:
@@ -121,6 +82,6 @@ def op_cost(program: FlatProgram, op: FlatOp, profile: Mapping[str, float] | Non
     return OpCost(flops, nbytes, time_s, time_s, True, name in ("rsqrt", "reduce_max", "reduce_min"))
 
 
-def is_heavy(op: FlatOp) -> bool:
+def is_heavy(op: Op) -> bool:
     """Whether XLA keeps this op as its own kernel (not fused into neighbours)."""
-    return op.prim.name in _HEAVY
+    return op.name in _HEAVY

@@ -6,7 +6,7 @@ from typing import Any
 
 from .sequence_dp import Leaf, Schedule, Split
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: structural fingerprint of the op graph
 
 
 class InfeasibleBudgetError(ValueError):
@@ -49,6 +49,7 @@ class RematPlan:
     schedule: Schedule
     fingerprint: str  # identifies the traced program the plan belongs to
     solve_time_s: float
+    measured_temp_bytes: int | None = None  # XLA's temp bytes of the compiled program, if rockmate.remat measured it
     version: int = PLAN_VERSION
 
     def to_json(self) -> dict:
@@ -61,6 +62,7 @@ class RematPlan:
             "predicted_time_s": self.predicted_time_s,
             "fingerprint": self.fingerprint,
             "solve_time_s": self.solve_time_s,
+            "measured_temp_bytes": self.measured_temp_bytes,
             "blocks": [
                 {"start": b.start, "stop": b.stop, "is_scan": b.is_scan, "kept": sorted(b.kept),
                  "keep_all": b.keep_all, "kept_bytes": b.kept_bytes, "fwd_time_s": b.fwd_time_s,
@@ -79,12 +81,14 @@ class RematPlan:
                        for b in d["blocks"])
         return RematPlan(d["budget_bytes"], d["min_budget_bytes"], d["predicted_temp_bytes"],
                          d["predicted_time_s"], blocks, _tree_from_json(d["schedule"]),
-                         d["fingerprint"], d["solve_time_s"])
+                         d["fingerprint"], d["solve_time_s"], d.get("measured_temp_bytes"))
 
     def summary(self) -> str:
         """One line per block: what it keeps and whether it is recomputed from a checkpoint."""
         lines = [f"rockmate plan: predicted temp {self.predicted_temp_bytes / 1e6:.1f} MB "
-                 f"(budget {self.budget_bytes / 1e6:.1f} MB, minimum {self.min_budget_bytes / 1e6:.1f} MB), "
+                 f"(budget {self.budget_bytes / 1e6:.1f} MB, minimum {self.min_budget_bytes / 1e6:.1f} MB"
+                 + (f", measured {self.measured_temp_bytes / 1e6:.1f} MB" if self.measured_temp_bytes is not None else "")
+                 + "), "
                  f"predicted fwd+bwd {self.predicted_time_s * 1e3:.1f} ms"]
         segs = _segments(self.schedule)
         for i, b in enumerate(self.blocks):

@@ -3,18 +3,18 @@ distinct block's ILP once, then the sequence DP under the budget."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
-
-import jax
+from typing import Callable, Mapping
 
 from .block_ilp import BlockOption, pareto_front, pareto_options
 from .calibrate import measured_forward, measured_option, saved_bytes
-from .blocks import Chain, block_graph, find_chain, scan_body_program
-from .jax_graph import FlatProgram, aval_bytes, flatten
+from .block_graph import block_graph
+from .blocks import BLOCK_PREFIX, Block, Chain, find_chain
+from .graph.op_graph import OpGraph
+from .graph.signature import fingerprint
+from .graph.trace import trace_graph
 from .plan import BlockChoice, InfeasibleBudgetError, RematPlan
 from .sequence_dp import ChainBlock, ChainOption, min_peak, schedule_cost, solve_chain
 
@@ -26,41 +26,26 @@ CALIBRATED_OPTIONS = 2  # up-front compiles per distinct block (plus its forward
 
 @dataclass(frozen=True)
 class Traced:
-    """A traced function: flat program, its chain of blocks and their options."""
+    """A traced function: its op graph, its chain of blocks and their options."""
 
-    program: FlatProgram
+    program: OpGraph
     chain: Chain
     options: list[tuple[BlockOption, ...]]  # per block, Pareto options
     chain_blocks: list[ChainBlock]  # per block, options in bytes
-    in_tree: Any
-    out_tree: Any
     fingerprint: str
     calibrate: bool = True  # chosen options not yet measured are measured on demand
 
 
-def trace(f: Callable, args: tuple, kwargs: Mapping | None = None) -> tuple[FlatProgram, Any, Any]:
-    """Flat program of f(*args), with input and output tree structures."""
-    kwargs = dict(kwargs or {})
-    flat, in_tree = jax.tree.flatten((args, kwargs))
-
-    def flat_f(*leaves):
-        a, k = jax.tree.unflatten(in_tree, leaves)
-        return f(*a, **k)
-    closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*flat)
-    return flatten(closed), in_tree, jax.tree.structure(out_shape)
-
-
-def fingerprint(program: FlatProgram, chain: Chain) -> str:
-    h = hashlib.sha1()
-    h.update(repr([str(a) for a in (program.avals[i] for i in program.invars)]).encode())
-    h.update(repr([(b.start, b.stop, b.signature) for b in chain.blocks]).encode())
-    return h.hexdigest()[:20]
+def trace(f: Callable, args: tuple, kwargs: Mapping | None = None) -> OpGraph:
+    """The op graph of f(*args, **kwargs), custom derivative rules kept (the graph is
+    differentiated after rescheduling) and calls made through `rockmate.block` marked."""
+    return trace_graph(f, *args, keep_custom_rules=True, mark_calls=BLOCK_PREFIX, **dict(kwargs or {}))
 
 
 def analyze(f: Callable, args: tuple, profile: Mapping[str, float] | None = None,
             ilp_time_limit_s: float = 5.0, calibrate: bool = True) -> Traced:
     """Trace `f`, cut it into blocks and solve the block ILP once per distinct block."""
-    program, in_tree, out_tree = trace(f, args)
+    program = trace(f, args)
     chain = find_chain(program)
     cache: dict[str, tuple[tuple[BlockOption, ...], ChainBlock]] = {}
     opts, cblocks = [], []
@@ -70,8 +55,7 @@ def analyze(f: Callable, args: tuple, profile: Mapping[str, float] | None = None
         o, c = cache[blk.signature]
         opts.append(o)
         cblocks.append(c)
-    return Traced(program, chain, list(opts), list(cblocks), in_tree, out_tree,
-                  fingerprint(program, chain), calibrate)
+    return Traced(program, chain, list(opts), list(cblocks), fingerprint(program), calibrate)
 
 
 def _calibrated(g, program, start, stop):
@@ -80,14 +64,14 @@ def _calibrated(g, program, start, stop):
     return g if fwd is None else dataclasses.replace(g, fwd_ws_bytes=fwd)
 
 
-def _measured_options(options, program, start, stop):
+def _measured_options(options, program, blk):
     """Correct each option's backward peak by XLA's measured temp memory of the block lowered
     with it: measured for up to CALIBRATED_OPTIONS options spread over kept bytes (all of
     them on most blocks; the analytic peak of the low-memory options, the ones tight budgets
     pick, can be off by 2x), interpolated piecewise-linearly by kept bytes for the others."""
     fixed = []
     for o in options:
-        kept = None if o.keep_all else saved_bytes(program, start, stop, o.kept)
+        kept = None if o.keep_all else saved_bytes(program, blk.start, blk.stop, o.kept)
         if kept is not None:
             o = dataclasses.replace(o, kept_bytes=kept, fwd_peak_bytes=o.fwd_peak_bytes - o.kept_bytes + kept)
         fixed.append(o)
@@ -98,7 +82,7 @@ def _measured_options(options, program, start, stop):
     delta = {}
     for i in sorted(probes):
         o = fixed[i]
-        m = measured_option(program, start, stop, None if o.keep_all else o.kept)
+        m = measured_option(program, blk, o)
         if m is not None:
             delta[i] = m - o.bwd_peak_bytes
     if not delta:
@@ -120,12 +104,12 @@ def _refine(t: Traced, tree) -> bool:
         return False
     changed = False
     for i, j in sorted(_chosen_options(tree).items()):
-        blk, o = t.chain.blocks[i], t.options[i][j]
-        if blk.is_scan or o.calibrated:
+        blk, o, co = t.chain.blocks[i], t.options[i][j], t.chain_blocks[i].options[j]
+        if o.calibrated:
             continue
-        m = measured_option(t.program, blk.start, blk.stop, None if o.keep_all else o.kept)
-        peak = o.bwd_peak_bytes if m is None else max(int(m), o.kept_bytes)
-        new_o = dataclasses.replace(o, bwd_peak_bytes=peak, calibrated=True)
+        m = measured_option(t.program, blk, o)
+        peak = co.bwd_peak if m is None else max(int(m), co.kept)
+        new_o = dataclasses.replace(o, bwd_peak_bytes=o.bwd_peak_bytes if blk.is_scan else peak, calibrated=True)
         for k, other in enumerate(t.chain.blocks):
             if other.signature == blk.signature:
                 opts = list(t.options[k])
@@ -135,7 +119,7 @@ def _refine(t: Traced, tree) -> bool:
                 copts = list(cb.options)
                 copts[j] = dataclasses.replace(copts[j], bwd_peak=peak)
                 t.chain_blocks[k] = dataclasses.replace(cb, options=tuple(copts))
-        changed = changed or peak != o.bwd_peak_bytes
+        changed = changed or peak != co.bwd_peak
     return changed
 
 
@@ -156,22 +140,23 @@ def _block_options(program, blk, profile, time_limit_s, calibrate=True):
             g = _calibrated(g, program, blk.start, blk.stop)
         options = pareto_options(g, time_limit_s=time_limit_s)
         if calibrate:
-            options = _measured_options(options, program, blk.start, blk.stop)
+            options = _measured_options(options, program, blk)
         cb = ChainBlock(tuple(ChainOption(o.fwd_time_s, o.bwd_time_s, o.kept_bytes, o.fwd_peak_bytes,
                                           o.bwd_peak_bytes) for o in options),
                         nr_time_s=sum(g.times_s), nr_peak=g.fwd_ws_bytes)
         return options, cb
     op = program.ops[blk.start]
-    body = scan_body_program(op)
+    body = op.body
     g = block_graph(body, 0, len(body.ops), profile)
     if calibrate:
         g = _calibrated(g, body, 0, len(body.ops))
     options = pareto_options(g, time_limit_s=time_limit_s)
-    if calibrate:
-        options = _measured_options(options, body, 0, len(body.ops))
+    if calibrate:  # the body alone; the scan whole is measured when the DP picks an option
+        whole = Block(0, len(body.ops), False, "")
+        options = tuple(dataclasses.replace(o, calibrated=False) for o in _measured_options(options, body, whole))
     length = op.params["length"]
     nc, ncarry = op.params["num_consts"], op.params["num_carry"]
-    carry_bytes = sum(aval_bytes(program.avals[a]) for a in op.in_ids[nc:nc + ncarry])
+    carry_bytes = sum(program.vars[a].nbytes for a in op.inputs[nc:nc + ncarry])
     # per iteration the checkpointed body saves its carry input and its kept values
     copts = []
     for o in options:

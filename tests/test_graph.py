@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from autopar.graph import OpGraph, call_graph, eval_graph, trace_graph
+from rockmate.graph import eval_ops
 from rockmate.graph.trace import INLINED
 
 D, LAYERS, SEQ, VOCAB, BATCH = 32, 2, 8, 64, 4
@@ -397,3 +398,42 @@ def test_kept_custom_rules_stay_one_op_and_their_gradient_rule_still_applies():
     np.testing.assert_allclose(got, want, rtol=1e-6)
     # the inlined body differentiates the identity: a different (unclipped) gradient
     assert not np.allclose(jax.grad(lambda x: call_graph(inlined, x))(x), want)
+
+
+# ---------------------------------------------------------------- marks and op ranges
+
+
+def test_marked_jit_calls_tag_their_ops_with_the_outermost_occurrence():
+    def marked(fn, name):
+        fn.__name__ = name
+        return jax.jit(fn)
+
+    inner = marked(lambda h: jnp.sin(h) * 2.0, "blk_inner")  # marked, but inside another marked call
+    layer = marked(lambda w, h: inner(h @ w) + h, "blk_layer")
+    helper = jax.jit(lambda h: jnp.tanh(h))                   # an unmarked jit: inlined, no mark
+
+    def f(ws, x):
+        h = helper(x)
+        for w in ws:
+            h = layer(w, h)
+        return jnp.sum(h)
+
+    ws, x = [normal(4, 4) for _ in range(3)], normal(2, 4)
+    graph = trace_graph(f, ws, x, mark_calls="blk")
+    layer_ops = 4  # dot_general, sin, mul, add
+    assert [op.mark for op in graph.ops] == [None] + [m for m in (1, 2, 3) for _ in range(layer_ops)] + [None]
+    assert all(op.mark is None for op in trace_graph(f, ws, x).ops)
+
+
+def test_eval_ops_runs_a_graph_range_by_range():
+    loss, params, tokens = gpt_loss(False)
+    graph = trace_graph(jax.value_and_grad(loss), params, tokens, keep_custom_rules=True)
+    cuts = [0, 7, len(graph.ops) // 2, len(graph.ops)]
+
+    def piecewise(p, t):
+        env = dict(zip(graph.invars, jax.tree_util.tree_leaves((p, t))))
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            eval_ops(graph, env, range(a, b))
+        return jax.tree_util.tree_unflatten(graph.out_tree, [env.get(v, graph.literals.get(v)) for v in graph.outvars])
+
+    assert_close(jax.jit(piecewise)(params, tokens), jax.jit(jax.value_and_grad(loss))(params, tokens))

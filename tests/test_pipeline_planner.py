@@ -137,12 +137,12 @@ def test_layer_train_graph_equals_jax_vjp(traced):
     rng = np.random.default_rng(0)
     args = [jnp.asarray(rng.normal(size=g.vars[v].shape), g.vars[v].abstract().dtype) for v in g.invars]
     env = dict(zip(g.invars, args))
-    eval_ops(g, range(lg.num_forward_ops), env)
+    eval_ops(g, env, range(lg.num_forward_ops))
     outs = [env[v] for v in lg.out_vars]
     kept = {v: env[v] for v in lg.residuals}
     kept.update({v: env[v] for v in lg.backward_reads_params})
     kept.update({v: env[v] for v in lg.ct_vars if v is not None})
-    eval_ops(g, range(lg.num_forward_ops, len(g.ops)), kept)      # the backward sees only these
+    eval_ops(g, kept, range(lg.num_forward_ops, len(g.ops)))      # the backward sees only these
     grads = [kept[v] if v in kept else env[v] for v in g.outvars[len(lg.out_vars):]]
 
     from autopar.pipeline.layer_graph import layer_forward

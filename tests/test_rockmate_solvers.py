@@ -10,7 +10,7 @@ import pytest
 
 import rockmate
 from rockmate.block_ilp import solve_block
-from rockmate.blocks import BlockGraph
+from rockmate.block_graph import BlockGraph
 from rockmate.sequence_dp import ChainBlock, ChainOption, Leaf, Split, min_peak, solve_chain
 from rockmate.budget import parse_bytes
 

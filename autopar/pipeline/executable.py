@@ -59,7 +59,7 @@ class _SubProgramRun:
 
         def fn(*ins):
             env = dict(zip(prog.inputs, ins))
-            eval_ops(graph, prog.ops, env)
+            eval_ops(graph, env, prog.ops)
             return tuple(env[v] for v in prog.outputs)
 
         self.jitted = jax.jit(fn, in_shardings=self.in_shardings, out_shardings=out_shardings)

@@ -30,14 +30,6 @@ phase_boundary_p.def_abstract_eval(lambda *avals: list(avals))
 mlir.register_lowering(phase_boundary_p, lambda ctx, *xs: list(xs))
 
 
-def is_float(spec_dtype: str) -> bool:
-    """Whether values of this dtype carry cotangents."""
-    try:
-        return bool(jnp.issubdtype(jnp.dtype(spec_dtype), jnp.inexact))
-    except TypeError:
-        return False
-
-
 @dataclass(frozen=True)
 class LayerGraph:
     """The train graph of one layer and how its inputs and outputs line up.
@@ -178,7 +170,7 @@ def layer_forward(loss: OpGraph, spec: LayerSpec) -> Callable[..., dict[int, Any
                 op = loss.ops[i]
                 env.update(zip(op.outputs, (env[v] if v in env else loss.literals[v] for v in op.inputs)))
             else:
-                eval_ops(loss, (i,), env)
+                eval_ops(loss, env, (i,))
         return env
     return fwd
 
@@ -190,8 +182,8 @@ def trace_layer(loss: OpGraph, spec: LayerSpec, remat: str = "none",
     remat: "none", or "full" (the forward under `jax.checkpoint`: only the layer's inputs
     are kept), or the name of a `transform(forward) -> forward` (a rockmate schedule)."""
     fwd = layer_forward(loss, spec)
-    float_in = tuple(is_float(loss.vars[v].dtype) for v in spec.in_acts)
-    float_out = tuple(is_float(loss.vars[v].dtype) for v in spec.out_acts)
+    float_in = tuple(loss.vars[v].is_float for v in spec.in_acts)
+    float_out = tuple(loss.vars[v].is_float for v in spec.out_acts)
 
     def outputs(params, batch, acts_f, acts_o):
         fl, ot = iter(acts_f), iter(acts_o)

@@ -261,7 +261,7 @@ class StagePrograms:
                     env[v] = self._constrain(specs, v, b[i])
                 for w, v in zip(lg.spec.in_acts, lg.act_vars):
                     env[v] = self._constrain(specs, v, loss_env[w])
-                eval_ops(lg.graph, range(lg.num_forward_ops), env, self._hook(specs))
+                eval_ops(lg.graph, env, range(lg.num_forward_ops), self._hook(specs))
                 for k, (w, v) in enumerate(zip(lg.spec.out_acts, lg.out_vars)):
                     val = _read(lg.graph, env, v)
                     loss_env[w] = self._constrain({v: c.out_specs[k]}, v, val)
@@ -291,7 +291,7 @@ class StagePrograms:
                 for w, ct in zip(lg.spec.out_acts, lg.ct_vars):
                     if ct is not None:
                         env[ct] = self._constrain(specs, ct, ct_env.pop(w))
-                eval_ops(lg.graph, range(lg.num_forward_ops, len(lg.graph.ops)), env, self._hook(specs))
+                eval_ops(lg.graph, env, range(lg.num_forward_ops, len(lg.graph.ops)), self._hook(specs))
                 for i, g in zip(lg.spec.param_inputs, lg.param_grad_vars):   # into the accumulator at once
                     acc[i] = acc[i] + _read(lg.graph, env, g).astype(acc[i].dtype)
                 for w, g in zip(lg.spec.in_acts, lg.act_grad_vars):

@@ -27,18 +27,21 @@ def eval_graph(graph: OpGraph, flat_args: Sequence[Any], on_output: OutputHook |
             "flatten (args, kwargs) with jax.tree_util.tree_leaves, as trace_graph did."
         )
     env: dict[int, Any] = dict(zip(graph.invars, flat_args))
-    eval_ops(graph, range(len(graph.ops)), env, on_output)
+    eval_ops(graph, env, on_output=on_output)
     return [env[v] if v in env else graph.literals[v] for v in graph.outvars]
 
 
-def eval_ops(graph: OpGraph, indices: Iterable[int], env: dict[int, Any],
+def eval_ops(graph: OpGraph, env: dict[int, Any], ops: Iterable[int] | None = None,
              on_output: OutputHook | None = None) -> None:
-    """Evaluate the ops at `indices` (in that order), reading and writing `env` (var id ->
-    value); literals are read from the graph. Pipeline stages and rockmate's blocks run
-    slices of a graph this way."""
-    for i in indices:
+    """Evaluate the ops at indices `ops` (default: all, in order), reading operands from
+    `env` (var id -> value; literals come from `graph.literals`) and writing every result
+    into `env`. Planners that run a graph piece by piece call this: rockmate re-runs a
+    block inside a checkpointed region, a pipeline stage runs its layers' forward or
+    backward ops; `on_output` is as in `eval_graph`."""
+    literals = graph.literals
+    for i in range(len(graph.ops)) if ops is None else ops:
         op = graph.ops[i]
-        args = [env[v] if v in env else graph.literals[v] for v in op.inputs]
+        args = [env[v] if v in env else literals[v] for v in op.inputs]
         outs = op.primitive.bind(*args, **op.primitive.get_bind_params(op.params))
         if not op.primitive.multiple_results:
             outs = (outs,)

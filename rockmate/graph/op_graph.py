@@ -38,6 +38,16 @@ def dtype_itemsize(dtype: str) -> int:
     return jax_dtype(dtype).itemsize
 
 
+@functools.lru_cache(maxsize=None)
+def _is_float(dtype: str) -> bool:
+    import jax.numpy as jnp
+
+    try:
+        return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.inexact))
+    except TypeError:  # extended dtypes (PRNG keys), tokens
+        return False
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Shape and dtype of one value."""
@@ -61,6 +71,11 @@ class TensorSpec:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def is_float(self) -> bool:
+        """A floating (or complex) array: one that can carry a gradient."""
+        return _is_float(self.dtype)
+
     def abstract(self) -> Any:
         """A `jax.ShapeDtypeStruct` of this value (to trace or lower without data)."""
         import jax
@@ -76,7 +91,9 @@ class Op:
     literal, whose value is in `OpGraph.literals`. `primitive` is the jax Primitive
     object (bindable); `name` its string name. For `scan`, `body` is the body graph and
     `trip_count` the number of iterations; `flops`/`bytes_accessed` already include the
-    trip count.
+    trip count. `mark` is the occurrence number (1, 2, ...) of the outermost inlined jit
+    call whose name starts with the prefix given to `trace_graph(mark_calls=...)` that
+    the op came from (None outside such calls), e.g. the layer calls a user marked.
     """
 
     index: int
@@ -90,6 +107,7 @@ class Op:
     source: str = ""
     body: "OpGraph | None" = None
     trip_count: int = 1
+    mark: int | None = None
 
 
 @dataclass

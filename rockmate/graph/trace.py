@@ -6,6 +6,9 @@ bodies, and keeps each `scan` as one op whose `body` is a graph of its own. A gr
 will be differentiated after tracing (a loss cut into pipeline stages, a function rockmate
 reschedules) keeps custom_jvp/custom_vjp calls whole (`keep_custom_rules=True`), so that
 their rules still apply: inlining the primal body would differentiate it instead.
+`mark_calls="prefix"` tags the ops of each inlined jit call whose name starts with
+`prefix` with that call's occurrence number (`op.mark`), so a planner can tell calls of
+one marked function apart after inlining (rockmate's user-marked blocks).
 """
 from __future__ import annotations
 
@@ -37,12 +40,14 @@ INLINED = {
 CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
-def trace_graph(fun: Callable[..., Any], *args: Any, keep_custom_rules: bool = False, **kwargs: Any) -> OpGraph:
+def trace_graph(fun: Callable[..., Any], *args: Any, keep_custom_rules: bool = False,
+                mark_calls: str | None = None, **kwargs: Any) -> OpGraph:
     """Trace `fun(*args, **kwargs)` abstractly into a flat OpGraph.
 
     Leaves of `args`/`kwargs` may be arrays or `jax.ShapeDtypeStruct`s. `in_tree` is the
     treedef of `(args, kwargs)` and `out_tree` that of the output. `keep_custom_rules`:
-    custom_jvp/custom_vjp calls stay one op (see the module docstring).
+    custom_jvp/custom_vjp calls stay one op; `mark_calls`: a jit name prefix whose calls
+    set `op.mark` (see the module docstring).
     """
     flat_args, in_tree = jax.tree_util.tree_flatten((args, kwargs))
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
@@ -60,15 +65,15 @@ def trace_graph(fun: Callable[..., Any], *args: Any, keep_custom_rules: bool = F
         return out_leaves
 
     closed = jax.make_jaxpr(flat_fun)(*flat_args)
-    graph = graph_from_jaxpr(closed, keep_custom_rules=keep_custom_rules)
+    graph = graph_from_jaxpr(closed, keep_custom_rules=keep_custom_rules, mark_calls=mark_calls)
     graph.in_tree = in_tree
     graph.out_tree = out_tree_box[0]
     return graph
 
 
-def graph_from_jaxpr(closed_jaxpr: Any, keep_custom_rules: bool = False) -> OpGraph:
+def graph_from_jaxpr(closed_jaxpr: Any, keep_custom_rules: bool = False, mark_calls: str | None = None) -> OpGraph:
     """Turn a ClosedJaxpr (or open Jaxpr) into an OpGraph with its own var numbering."""
-    builder = _Builder(keep_custom_rules)
+    builder = _Builder(keep_custom_rules, mark_calls)
     jaxpr, consts = _open(closed_jaxpr)
     invars = [builder.new_var(v) for v in jaxpr.invars]
     outvars = builder.emit(jaxpr, consts, invars)
@@ -111,8 +116,11 @@ def _source(eqn: Any) -> str:
 class _Builder:
     """Accumulates vars, literals and ops while walking (possibly nested) jaxprs."""
 
-    def __init__(self, keep_custom_rules: bool = False) -> None:
+    def __init__(self, keep_custom_rules: bool = False, mark_calls: str | None = None) -> None:
         self.keep_custom_rules = keep_custom_rules
+        self.mark_calls = mark_calls
+        self.marks = 0     # marked calls seen so far
+        self.mark = None   # occurrence number of the marked call being inlined
         self.vars: dict[int, TensorSpec] = {}
         self.literals: dict[int, Any] = {}
         self.ops: list[Op] = []
@@ -154,7 +162,14 @@ class _Builder:
                 inner, inner_consts = _open(eqn.params[INLINED[name]])
                 if name in ("remat2", "checkpoint") and eqn.params.get("prevent_cse", False):
                     inputs = self._barrier(inputs)
-                for outer, vid in zip(eqn.outvars, self.emit(inner, inner_consts, inputs)):
+                outer_mark = self.mark
+                if (self.mark is None and self.mark_calls is not None
+                        and str(eqn.params.get("name", "")).startswith(self.mark_calls)):
+                    self.marks += 1
+                    self.mark = self.marks
+                outs = self.emit(inner, inner_consts, inputs)
+                self.mark = outer_mark
+                for outer, vid in zip(eqn.outvars, outs):
                     if not isinstance(outer, jcore.DropVar):
                         self.env[outer] = vid  # the call's output is the body's output
                 continue
@@ -177,7 +192,7 @@ class _Builder:
         specs = [self.vars[i] for i in live]
         self.ops.append(Op(index=len(self.ops), name="optimization_barrier", primitive=optimization_barrier_p,
                            inputs=tuple(live), outputs=tuple(outs), params={}, flops=0.0,
-                           bytes_accessed=op_bytes(specs, specs), source=""))
+                           bytes_accessed=op_bytes(specs, specs), source="", mark=self.mark))
         renamed = dict(zip(live, outs))
         return [renamed.get(i, i) for i in inputs]
 
@@ -205,7 +220,7 @@ class _Builder:
         return Op(
             index=len(self.ops), name=name, primitive=eqn.primitive, inputs=tuple(inputs),
             outputs=tuple(outputs), params=dict(eqn.params), flops=flops, bytes_accessed=nbytes,
-            source=_source(eqn), body=body, trip_count=trip_count,
+            source=_source(eqn), body=body, trip_count=trip_count, mark=self.mark,
         )
 
 
