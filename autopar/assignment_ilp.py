@@ -11,6 +11,7 @@ integral by themselves and stay continuous.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -189,7 +190,7 @@ def _build(problem: AssignmentProblem) -> tuple[_Matrix, list[int]]:
         node_c[offsets[k]: offsets[k] + len(c)] = c
     c = np.concatenate([node_c] + extra_cost)
     ub = []
-    if np.isfinite(problem.memory_limit_bytes):
+    if math.isfinite(float(problem.memory_limit_bytes)):
         for row in problem.memory_rows:
             acc: dict[int, np.ndarray] = {}
             for k, v in row.coeff.items():

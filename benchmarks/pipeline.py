@@ -79,7 +79,7 @@ def grid_best(planner, B_values, limit):
             flight = in_flight(planner.method.schedule, pp - s, B)
             best = None
             for p in range(len(PARAM_MODES)):
-                for r in cand.layers:
+                for r in cand.remats:
                     if exact:
                         cand.price(a, b - 1, 0, k, p, r)
                     o = cand.index(k, p, r)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 
@@ -33,10 +34,14 @@ def method_from_string(s: str):
         return autopar.DataParallel()
     if s == "zero3":
         return autopar.ZeRO3()
+    if s in ("pipeshard", "pipeline"):
+        return autopar.PipeshardParallel(num_micro_batches=2)
     if s.startswith("megatron"):
         _, _, tp = s.partition(":")
+        if tp and not tp.isdigit():
+            raise ValueError(f"--method {s!r}: write megatron:TP with TP a number of devices, e.g. megatron:2")
         return autopar.Megatron(tp=int(tp or 2))
-    raise SystemExit(f"unknown --method {s!r}; use auto, data_parallel, zero3 or megatron:TP")
+    raise ValueError(f"unknown --method {s!r}; use auto, data_parallel, zero3, megatron:TP or pipeshard")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +54,13 @@ def run(args: argparse.Namespace) -> int:
     from autopar.model_zoo import GPTConfig, gpt_setup
 
     con = Console()
-    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers, batch=args.batch)
+    try:
+        cfg = GPTConfig(vocab=args.vocab, seq=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers,
+                        batch=args.batch)
+        method = method_from_string(args.method)
+    except ValueError as e:
+        print(f"autopar demo: {e}", file=sys.stderr)
+        return 2
     step, state, batch = gpt_setup(cfg)
     devices = jax.devices()
     con.print(f"[bold]autopar demo[/]: GPT {cfg.layers} layers, d={cfg.hidden}, seq {cfg.seq}, batch {cfg.batch}, "
@@ -58,9 +69,13 @@ def run(args: argparse.Namespace) -> int:
     ref_state, ref_loss = jax.jit(step)(state, batch)
     jax.block_until_ready(ref_loss)
     t_ref = time.perf_counter() - t0
-    pstep = autopar.parallelize(step, method=method_from_string(args.method))
+    pstep = autopar.parallelize(step, method=method)
     t0 = time.perf_counter()
-    plan = pstep.get_plan(state, batch)
+    try:
+        plan = pstep.get_plan(state, batch)
+    except (autopar.MemoryBudgetError, autopar.MeshDivisibilityError, ValueError) as e:
+        print(f"autopar demo: {e}", file=sys.stderr)
+        return 2
     t_plan = time.perf_counter() - t0
     t0 = time.perf_counter()
     new_state, loss = pstep(state, batch)

@@ -162,6 +162,12 @@ class LayerSolver:
 
     def __call__(self, lg: LayerGraph, mesh: LogicalMesh, params: str = "fast") -> LayerCost:
         key = (lg.key, mesh, params)
+        free = self._solved.get((lg.key, mesh, "fast"))
+        if params == "sharded" and key not in self._solved and free is not None and all(
+                shard_factor(free.var_specs.get(v, ()), mesh.shape) ==
+                shard_factor(most_sharded(lg.graph.vars[v].shape, mesh.shape)[0], mesh.shape)
+                for v in lg.param_vars):
+            self._solved[key] = free      # the free optimum already shards every parameter most
         if key not in self._solved:
             self.solves += 1
             try:

@@ -98,27 +98,56 @@ def choose_best(candidates: Sequence[Any], lower_bound: Callable[[Any], float],
     return best[1], best[0], priced
 
 
+@dataclass(frozen=True)
+class LayerBounds:
+    """What the roofline bounds of a layering need, per layer: the device-seconds of its
+    forward + backward at peak (for this cluster's device), and the global bytes of its
+    residuals and parameters."""
+
+    device_s: tuple[float, ...]
+    residual_bytes: tuple[float, ...]
+    param_bytes: tuple[float, ...]
+
+
+def op_roofline_terms(lg: LayerGraph, device: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per live op of the layer's train graph: FLOPs, bytes kept in memory, peak FLOP/s."""
+    from autopar.intra_op import IDENTITY_PRIMITIVES, live_ops
+    from rockmate.graph.fusion import materialized
+
+    g = lg.graph
+    kept = materialized(g)
+    flops, nbytes, peak = [], [], []
+    for i in sorted(live_ops(g)):
+        op = g.ops[i]
+        if op.name in IDENTITY_PRIMITIVES:
+            continue
+        vs = [v for v in (*op.inputs, *op.outputs) if v not in g.literals]
+        flops.append(op.flops)
+        nbytes.append(sum(g.vars[v].nbytes for v in vs if v in kept))
+        peak.append(max((device.peak_flops_for(g.vars[v].dtype) for v in vs), default=device.peak_flops_for("float32")))
+    return np.array(flops, float), np.array(nbytes, float), np.array(peak, float)
+
+
 class _Candidates:
     """The stage DP's candidate costs for one (B, L): tensors [L, L, M, S, K] over (layer
     range, submesh, stage count, option), option = (logical mesh, parameter mode, remat).
     A candidate starts at its roofline lower bound; once the ILP has solved all its
     layers' contents for that option it holds its exact cost (layers solved so far
-    tighten the bound)."""
+    tighten the bound). The layers are traced only when a candidate is priced: bounds
+    come from `LayerBounds`, which the planner can interpolate between micro-batch sizes."""
 
-    def __init__(self, planner: "PipelinePlanner", traced: TracedStep, cuts: Sequence[int], shapes, num_stages_max: int):
-        self.planner, self.traced, self.cuts = planner, traced, list(cuts)
-        self.layers = {r: planner.layer_graphs(traced, cuts, remat) if remat in planner.remat_options else None
-                       for r, remat in enumerate(REMAT_OPTIONS)}
-        self.layers = {r: lgs for r, lgs in self.layers.items() if lgs is not None}
-        self.keys = {r: [lg.key for lg in lgs] for r, lgs in self.layers.items()}
+    def __init__(self, planner: "PipelinePlanner", B: int, c: int, shapes, num_stages_max: int):
+        self.planner, self.B, self.c = planner, B, c
+        self.cuts = planner.cut_options()[c]
+        self.bounds = planner.layer_bounds(B, c)
         self.shapes = list(shapes)
         self.logical = [logical_mesh_shapes(sub) for sub in self.shapes]
-        L, M, S = len(next(iter(self.layers.values()))), len(self.shapes), num_stages_max
+        L, M, S = len(self.cuts) - 1, len(self.shapes), num_stages_max
         self.R, self.P = len(REMAT_OPTIONS), len(PARAM_MODES)
+        self.remats = [r for r, remat in enumerate(REMAT_OPTIONS) if remat in planner.remat_options]
         self.K = max(len(x) for x in self.logical) * self.P * self.R
         self.S = S
-        B, schedule = traced.num_micro_batches, planner.method.schedule
-        self.flight = np.array([in_flight(schedule, s, B) for s in range(1, S + 1)], dtype=np.float64)
+        self.flight = np.array([in_flight(planner.method.schedule, s, B) for s in range(1, S + 1)], dtype=np.float64)
         shape = (L, L, M, 1, self.K)
         self.time = np.full(shape, np.inf)
         self.iteration = np.zeros(shape)
@@ -128,23 +157,32 @@ class _Candidates:
         self.update = np.zeros(shape)
         self.solved: dict[tuple[int, int, int, int], dict[str, LayerCost]] = {}   # (m, k, p, r) -> key -> solution
         self.costs: dict[tuple, StageCost] = {}
-        sf = planner.state_factor
-        self._param_bytes = [sum(lg.graph.vars[v].nbytes for v in lg.param_vars) * (2 + sf)
-                             for lg in next(iter(self.layers.values()))]
-        self._residual_bytes = {r: [sum(lg.graph.vars[v].nbytes for v in lg.residuals) for lg in lgs]
-                                for r, lgs in self.layers.items()}
+        self._layers: dict[int, list[LayerGraph]] = {}
         for m in range(M):
             for k in range(len(self.logical[m])):
                 for p in range(self.P):
-                    for r in self.layers:
+                    for r in self.remats:
                         self._fill(m, k, p, r)
+
+    @property
+    def traced(self) -> TracedStep:
+        return self.planner.tracer.at(self.B)
+
+    def layers(self, r: int) -> list[LayerGraph]:
+        """The layers' train graphs with remat option r (traced on first use)."""
+        if r not in self._layers:
+            self._layers[r] = self.planner.layer_graphs(self.traced, self.cuts, REMAT_OPTIONS[r])
+        return self._layers[r]
+
+    def keys(self, r: int) -> list[str]:
+        return [lg.key for lg in self.layers(r)]
 
     def mesh(self, m: int, k: int) -> LogicalMesh:
         return self.planner.logical_mesh(self.logical[m][k])
 
     def is_exact(self, i: int, j: int, m: int, k: int, p: int, r: int) -> bool:
-        done = self.solved.get((m, k, p, r), {})
-        return all(key in done for key in self.keys[r][i:j + 1])
+        done = self.solved.get((m, k, p, r))
+        return done is not None and all(key in done for key in self.keys(r)[i:j + 1])
 
     def _fill(self, m: int, k: int, p: int, r: int) -> None:
         """(Re)compute the entries of one option on one submesh: exact where every layer of
@@ -153,21 +191,22 @@ class _Candidates:
         mesh = self.mesh(m, k)
         n = mesh.num_devices
         done = self.solved.get((m, k, p, r), {})
-        layers, keys = self.layers[r], self.keys[r]
-        L = len(layers)
+        L = len(self.cuts) - 1
+        keys = self.keys(r) if done else [None] * L
         per_time = np.array([done[key].time_s if key in done else self._layer_bound(m, k, p, r, l)
                              for l, key in enumerate(keys)])
-        per_act = np.array([done[key].residual_bytes if key in done else b / n
-                            for key, b in zip(keys, self._residual_bytes[r])])
-        per_weight = np.array(self._param_bytes) / n
+        per_act = np.array([done[key].residual_bytes if key in done else (b / n if r == 0 else 0.0)
+                            for key, b in zip(keys, self.bounds.residual_bytes)])
+        per_weight = np.array(self.bounds.param_bytes) * (2 + self.planner.state_factor) / n
         c_time, c_act, c_w = (np.concatenate([[0.0], np.cumsum(x)]) for x in (per_time, per_act, per_weight))
         send = self.planner.send_s_per_byte(self.shapes[m])
         o = self.index(k, p, r)
         for i in range(L):
             for j in range(i, L):
-                if all(key in done for key in keys[i:j + 1]):
+                if done and all(key in done for key in keys[i:j + 1]):
                     c = self.costs.get((i, j, m, k, p, r))
                     if c is None:
+                        layers = self.layers(r)
                         c = self.costs[(i, j, m, k, p, r)] = compose(
                             stage_layers(layers[i:j + 1], layers), [done[key] for key in keys[i:j + 1]], mesh,
                             state_bytes_per_param_byte=self.planner.state_factor, send_s_per_byte=send)
@@ -183,12 +222,13 @@ class _Candidates:
         less constrained option already costs. Parameters restricted to their most
         sharded layouts only restrict the free ILP; a checkpointed forward adds its
         recomputation to the same forward and backward ops."""
-        bound = self.planner.solver.lower_bound(self.layers[r][l], self.mesh(m, k))
+        bound = self.bounds.device_s[l] / self.mesh(m, k).num_devices
         for q, s in ((0, r), (p, 0), (0, 0)):
-            if (q, s) != (p, r) and q <= p and s <= r and s in self.layers:
-                hit = self.solved.get((m, k, q, s), {}).get(self.keys[s][l])
-                if hit is not None:
-                    bound = max(bound, hit.time_s)
+            hit = self.solved.get((m, k, q, s)) if (q, s) != (p, r) and q <= p and s <= r else None
+            if hit:
+                solution = hit.get(self.keys(s)[l])
+                if solution is not None:
+                    bound = max(bound, solution.time_s)
         return bound
 
     def price(self, i: int, j: int, m: int, k: int, p: int, r: int) -> None:
@@ -196,11 +236,11 @@ class _Candidates:
         option, then refresh its candidates."""
         mesh = self.mesh(m, k)
         done = self.solved.setdefault((m, k, p, r), {})
-        for key, lg in zip(self.keys[r][i:j + 1], self.layers[r][i:j + 1]):
+        for key, lg in zip(self.keys(r)[i:j + 1], self.layers(r)[i:j + 1]):
             if key not in done:
                 done[key] = self.planner.solver(lg, mesh, PARAM_MODES[p])
         for q in range(self.P):        # what was solved bounds the more constrained options
-            for s in self.layers:
+            for s in self.remats:
                 if q >= p and s >= r:
                     self._fill(m, k, q, s)
 
@@ -242,6 +282,8 @@ class PipelinePlanner:
         self.dp_runs = 0
         self._meshes: dict[tuple[int, int], LogicalMesh] = {}
         self._problems: dict[tuple, _Candidates] = {}
+        self._bounds: dict[tuple[int, int], LayerBounds] = {}
+        self._terms: dict[tuple[int, int], list] = {}
         self._cut_options: list[list[int]] | None = None
 
     # --- layers ---------------------------------------------------------------------
@@ -258,6 +300,41 @@ class PipelinePlanner:
             else:
                 lg = _rebind(hit, spec)
             out.append(lg)
+        return out
+
+    def layer_bounds(self, B: int, c: int) -> LayerBounds:
+        """Roofline terms of the c-th layering at B micro-batches. Traced at B when the
+        step is (or B is one of the first two candidates); otherwise interpolated from
+        those two: every op's FLOPs and bytes are affine in the micro-batch size, so the
+        bound is exact without tracing at every B."""
+        key = (B, c)
+        if key in self._bounds:
+            return self._bounds[key]
+        Bs = self.micro_batch_candidates()
+        refs = Bs[:2]
+        device = self.cluster.device
+        if B in refs or len(refs) < 2 or B in self.tracer.traced_counts:
+            lgs = self.layer_graphs(self.tracer.at(B), self.cut_options()[c])
+            terms = [op_roofline_terms(lg, device) for lg in lgs]
+            residual = [float(sum(lg.graph.vars[v].nbytes for v in lg.residuals)) for lg in lgs]
+            params = [float(sum(lg.graph.vars[v].nbytes for v in lg.param_vars)) for lg in lgs]
+            out = LayerBounds(tuple(float(np.sum(np.maximum(f / pk, b / device.memory_bandwidth_Bps)))
+                                    for f, b, pk in terms), tuple(residual), tuple(params))
+            self._terms[key] = terms
+        else:
+            (a, b) = refs
+            ta, tb = self.layer_bounds(a, c), self.layer_bounds(b, c)      # traces the references
+            ma, mb = self.tracer.at(a).micro_batch_size or 1, self.tracer.at(b).micro_batch_size or 1
+            m = ma * a / B
+            w = (m - ma) / (mb - ma)
+            device_s = []
+            for (fa, ba, pk), (fb, bb, _) in zip(self._terms[(a, c)], self._terms[(b, c)]):
+                f = np.maximum(fa + w * (fb - fa), 0.0)
+                nb = np.maximum(ba + w * (bb - ba), 0.0)
+                device_s.append(float(np.sum(np.maximum(f / pk, nb / device.memory_bandwidth_Bps))))
+            out = LayerBounds(tuple(device_s), tuple(max(x + w * (y - x), 0.0) for x, y in
+                                                     zip(ta.residual_bytes, tb.residual_bytes)), ta.param_bytes)
+        self._bounds[key] = out
         return out
 
     def layer_cut_candidates(self, traced: TracedStep) -> list[list[int]]:
@@ -354,14 +431,9 @@ class PipelinePlanner:
         shapes = self._shapes()[0] if shapes is None else list(shapes)
         key = (B, c, tuple(shapes))
         if key not in self._problems:
-            traced = self.tracer.at(B)
-            ref = self.tracer.at(self.micro_batch_candidates()[0])
-            if len(traced.loss.ops) != len(ref.loss.ops):
-                raise ValueError("the loss has a different structure at different micro-batch sizes; "
-                                 "give num_micro_batches explicitly")
             cuts = self.cut_options()[c]
             S = num_stages or self._shapes()[1] or min(len(cuts) - 1, self.cluster.num_devices)
-            self._problems[key] = _Candidates(self, traced, cuts, shapes, S)
+            self._problems[key] = _Candidates(self, B, c, shapes, S)
         return self._problems[key]
 
     def plan(self) -> PipelineDecision:
@@ -397,8 +469,7 @@ class PipelinePlanner:
         search = {"micro_batch_candidates": tuple(Bs), "micro_batch_evaluated": tuple(sorted({k[0] for k in priced})),
                   "layer_counts": tuple(len(c) - 1 for c in cut_options), "ilp_solves": self.solver.solves,
                   "dp_runs": self.dp_runs, "meshes_priced": sum(p.meshes_priced for p in self._problems.values())}
-        return PipelineDecision(cand.traced, tuple(cand.cuts), decision, cand.traced.num_micro_batches,
-                                res.latency_s, search)
+        return PipelineDecision(cand.traced, tuple(cand.cuts), decision, cand.B, res.latency_s, search)
 
     def _min_memory(self, cand: _Candidates, num_stages, fixed, rel_tol: float = 0.02) -> float:
         """The smallest per-device memory limit under which a plan of these candidates
@@ -434,11 +505,11 @@ class PipelinePlanner:
         S = len(res.stages)
         for n, (st, dev) in enumerate(zip(res.stages, ids)):
             k, p, r = cand.option(st.option)
-            layers = cand.layers[r]
+            layers = cand.layers(r)
             done = cand.solved[(st.submesh, k, p, r)]
             out.append(StageDecision(
                 stage_layers(layers[st.start:st.end], layers),
-                tuple(done[key] for key in cand.keys[r][st.start:st.end]), cand.shapes[st.submesh],
+                tuple(done[key] for key in cand.keys(r)[st.start:st.end]), cand.shapes[st.submesh],
                 cand.logical[st.submesh][k], tuple(dev), cand.costs[(st.start, st.end - 1, st.submesh, k, p, r)],
                 REMAT_OPTIONS[r], in_flight(self.method.schedule, S - n, cand.traced.num_micro_batches),
                 PARAM_MODES[p]))

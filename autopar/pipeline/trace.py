@@ -101,6 +101,11 @@ class StepTracer:
             return [1]
         return [b for b in range(1, min(sizes) + 1) if all(s % b == 0 for s in sizes)]
 
+    @property
+    def traced_counts(self) -> set[int]:
+        """The numbers of micro-batches traced so far."""
+        return set(self._traced)
+
     def at(self, num_micro_batches: int) -> TracedStep:
         """The step with its loss traced on one of `num_micro_batches` micro-batches."""
         if num_micro_batches not in self._traced:

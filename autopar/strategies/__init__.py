@@ -58,6 +58,8 @@ remat checkpoint rng_bit_generator random_bits random_seed random_wrap random_un
 random_fold_in rng_uniform optimization_barrier
 """.split())
 
+CONTROL_FLOW = frozenset({"while", "cond"})
+
 FOLLOWER_PRIMITIVES = elementwise.UNARY_FOLLOWERS | frozenset(
     ["reshape", "squeeze", "expand_dims", "transpose", "broadcast_in_dim"])
 
@@ -81,6 +83,13 @@ def enumerate_strategies(op: Op, graph: OpGraph, mesh: Any) -> list[Strategy]:
 
 def _enumerate(op: Op, ins: tuple[TensorSpec | None, ...], outs: tuple[TensorSpec, ...],
                mesh: Any) -> list[Strategy]:
+    if ins and all(t is None for t in ins):   # computes on literals only: a constant
+        return [replicated_strategy(mesh, ins, outs, float(op.flops))]
+    if op.name in CONTROL_FLOW and op.name not in _warned:
+        _warned.add(op.name)
+        warnings.warn(f"autopar: a `{op.name}` in the step is planned replicated: its operands are gathered "
+                      f"on every device and its body runs whole there (this can cost much memory); write the "
+                      f"loop as lax.scan (planned per iteration) or move it out of the step", stacklevel=3)
     rule = RULES.get(op.name)
     if rule is None or op.name in REPLICATED_PRIMITIVES:
         if op.name not in REPLICATED_PRIMITIVES and op.name not in _warned:
