@@ -26,6 +26,9 @@ class PipeshardParallel:
         is tried only when it exceeds the last one by this fraction (0 = exact).
     solver: the ILP solver of the layers ("highs-lp": the LP relaxation first, "highs",
         "cbc"); time_limit_s per layer ILP.
+    planning_tolerance: stop searching once the best plan found is within this fraction of
+        the lower bound on every better one (0 = exact; the plan is within (1 + it) of the
+        optimum under the cost model).
     """
 
     num_micro_batches: int | str = 1
@@ -37,6 +40,7 @@ class PipeshardParallel:
     imbalance_tolerance: float = 0.0
     solver: str = "highs-lp"
     time_limit_s: float = 30.0
+    planning_tolerance: float = 0.02
 
     def __post_init__(self):
         B = self.num_micro_batches
@@ -58,6 +62,8 @@ class PipeshardParallel:
             object.__setattr__(self, "submeshes", tuple(shapes))
         if self.imbalance_tolerance < 0:
             raise ValueError("imbalance_tolerance must be >= 0")
+        if not 0 <= self.planning_tolerance < 1:
+            raise ValueError(f"planning_tolerance must be in [0, 1), got {self.planning_tolerance!r}")
 
     @property
     def name(self) -> str:

@@ -69,30 +69,37 @@ def in_flight(schedule: str, stages_from_here: int, num_micro_batches: int) -> i
 
 
 def choose_best(candidates: Sequence[Any], lower_bound: Callable[[Any], float],
-                exact: Callable[[Any], float]) -> tuple[Any, float, list[Any]]:
+                exact: Callable[[Any], float], tolerance: float = 0.0) -> tuple[Any, float, list[Any]]:
     """The candidate (a number of micro-batches and layer count) with the least exact
-    latency: candidates in order of their lower bound, each priced exactly unless its
-    bound is no better than the best exact latency so far; a bound or price that raises
-    ValueError (nothing fits) drops the candidate. Returns (best, latency, the candidates
-    priced exactly)."""
-    bounds = {}
-    for B in candidates:
-        try:
-            bounds[B] = lower_bound(B)
-        except ValueError:          # nothing fits even at the bound
-            continue
-    best: tuple[float, int] | None = None
+    latency. Repeatedly: bound every candidate not yet priced (bounds may tighten as others
+    are priced), price the one with the least bound, and stop when no bound beats the best
+    exact latency (divided by 1 + tolerance: the result is then within that fraction of
+    the best). A bound or price that raises ValueError (nothing fits) drops the candidate.
+    Returns (best, latency, the candidates priced exactly)."""
+    remaining = list(candidates)
+    best: tuple[float, Any] | None = None
     priced = []
-    for B in sorted(bounds, key=lambda b: (bounds[b], b)):
-        if best is not None and bounds[B] >= best[0]:
+    while remaining:
+        bounds = {}
+        for c in remaining:
+            try:
+                bounds[c] = lower_bound(c)
+            except ValueError:          # nothing fits even at the bound
+                pass
+        remaining = [c for c in remaining if c in bounds]
+        if not remaining:
             break
+        c = min(remaining, key=lambda x: (bounds[x], candidates.index(x)))
+        if best is not None and bounds[c] * (1 + tolerance) >= best[0]:
+            break
+        remaining.remove(c)
         try:
-            latency = exact(B)
+            latency = exact(c)
         except ValueError:
             continue
-        priced.append(B)
+        priced.append(c)
         if best is None or latency < best[0] * (1 - 1e-12):
-            best = (latency, B)
+            best = (latency, c)
     if best is None:
         raise ValueError("no pipeline fits the devices' memory for any number of micro-batches or layers")
     return best[1], best[0], priced
@@ -155,6 +162,7 @@ class _Candidates:
         self.act = np.zeros(shape)
         self.working = np.zeros(shape)
         self.update = np.zeros(shape)
+        self.priced = np.zeros(shape, bool)
         self.solved: dict[tuple[int, int, int, int], dict[str, LayerCost]] = {}   # (m, k, p, r) -> key -> solution
         self.costs: dict[tuple, StageCost] = {}
         self._layers: dict[int, list[LayerGraph]] = {}
@@ -212,8 +220,14 @@ class _Candidates:
                             state_bytes_per_param_byte=self.planner.state_factor, send_s_per_byte=send)
                     values = (c.micro_batch_s, c.iteration_s, c.weight_bytes, c.activation_bytes,
                               c.working_bytes, c.update_bytes)
+                    self.priced[i, j, m, 0, o] = True
                 else:
-                    values = (c_time[j + 1] - c_time[i], 0.0, c_w[j + 1] - c_w[i], c_act[j + 1] - c_act[i], 0.0, 0.0)
+                    # a memory option (parameters restricted, forward recomputed) is never
+                    # faster than the free plain one: its priced per-step time bounds too
+                    free = self.costs.get((i, j, m, k, 0, 0)) if (p, r) != (0, 0) else None
+                    values = (max(c_time[j + 1] - c_time[i], free.micro_batch_s if free else 0.0),
+                              free.iteration_s if free else 0.0, c_w[j + 1] - c_w[i], c_act[j + 1] - c_act[i],
+                              0.0, 0.0)
                 (self.time[i, j, m, 0, o], self.iteration[i, j, m, 0, o], self.weight[i, j, m, 0, o],
                  self.act[i, j, m, 0, o], self.working[i, j, m, 0, o], self.update[i, j, m, 0, o]) = values
 
@@ -221,7 +235,9 @@ class _Candidates:
         """A lower bound of layer l's ILP objective in an option: its roofline, or what a
         less constrained option already costs. Parameters restricted to their most
         sharded layouts only restrict the free ILP; a checkpointed forward adds its
-        recomputation to the same forward and backward ops."""
+        recomputation to the same forward and backward ops. (So these are options for
+        memory: the DP prices them only where the plain option does not fit or they
+        could still be faster.)"""
         bound = self.bounds.device_s[l] / self.mesh(m, k).num_devices
         for q, s in ((0, r), (p, 0), (0, 0)):
             hit = self.solved.get((m, k, q, s)) if (q, s) != (p, r) and q <= p and s <= r else None
@@ -245,11 +261,27 @@ class _Candidates:
                     self._fill(m, k, q, s)
 
     def tensors(self):
-        """(time, once-per-step time, memory) [L, L, M, S, K] for the stage DP."""
+        """(time, once-per-step time, memory) [L, L, M, S, K] for the stage DP. A bound is
+        nudged up by 1e-9 of itself so that, between a priced candidate and a bound of the
+        same value, the DP takes the priced one instead of pricing the other."""
         reps = (1, 1, 1, self.S, 1)
         f = self.flight[None, None, None, :, None]
         mem = self.weight + np.maximum(self.act * f + self.working, self.update)
-        return np.tile(self.time, reps), np.tile(self.iteration, reps), mem
+        time_s = np.where(self.priced, self.time, np.maximum(self.time, self._scaled_bound()) * (1 + 1e-9))
+        return np.tile(time_s, reps), np.tile(self.iteration, reps), mem
+
+    def _scaled_bound(self) -> np.ndarray:
+        """Bounds from fewer, larger micro-batches: a candidate's time per micro-batch divided
+        by its micro-batch size never grows when the micro-batch shrinks by an integer factor
+        (every cost term is a maximum or minimum of affine functions of the size with
+        non-negative intercepts, and a layout valid for b samples is valid for k*b), so a
+        candidate priced at B' micro-batches bounds the same one at B = k B' by B'/B times
+        its time."""
+        out = np.zeros_like(self.time)
+        for other in self.planner.problems_like(self):
+            if other.B < self.B and self.B % other.B == 0:
+                out = np.maximum(out, np.where(other.priced, other.time * other.B / self.B, 0.0))
+        return out
 
     def index(self, k: int, p: int, r: int) -> int:
         return (k * self.P + p) * self.R + r
@@ -402,10 +434,18 @@ class PipelinePlanner:
         def price(st, _s):
             cand.price(st.start, st.end - 1, st.submesh, *cand.option(st.option))
 
+        def priced():
+            return np.tile(cand.priced, (1, 1, 1, cand.S, 1))
+
         return lazy_stage_dp(tensors, exact, price, [n * m for n, m in cand.shapes], self.cluster.num_devices,
-                             cand.traced.num_micro_batches, num_stages=num_stages,
+                             cand.B, priced=priced, tolerance=self.method.planning_tolerance, num_stages=num_stages,
                              memory_limit_bytes=self.memory_limit_bytes if limit is None else limit,
                              imbalance_tolerance=self.method.imbalance_tolerance)
+
+    def problems_like(self, cand: _Candidates) -> list[_Candidates]:
+        """The candidate sets for other numbers of micro-batches with the same layers and submeshes."""
+        return [p for (B, c, shapes), p in self._problems.items()
+                if p is not cand and c == cand.c and list(shapes) == cand.shapes]
 
     def micro_batch_candidates(self) -> list[int]:
         B = self.method.num_micro_batches
@@ -453,7 +493,7 @@ class PipelinePlanner:
             return res.latency_s
 
         try:
-            key, latency, priced = choose_best(keys, lower, exact)
+            key, latency, priced = choose_best(keys, lower, exact, self.method.planning_tolerance)
         except ValueError:
             need = min((self._min_memory(self.problem(*k), num_stages, fixed) for k in keys), default=math.inf)
             if not math.isfinite(need):

@@ -147,17 +147,30 @@ def _reconstruct(args, option, s, L, N, sizes) -> list[StageChoice]:
 
 def lazy_stage_dp(tensors: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]],
                   is_exact: Callable[[StageChoice, int], bool], price: Callable[[StageChoice, int], None],
-                  submesh_sizes: Sequence[int], num_devices: int, num_micro_batches: int,
+                  submesh_sizes: Sequence[int], num_devices: int, num_micro_batches: int, *,
+                  priced: Callable[[], np.ndarray] | None = None, tolerance: float = 0.0,
                   **kwargs) -> StageDPResult:
     """The stage DP over candidates priced on demand. `tensors()` gives the current (time,
     once-per-step time, memory); a candidate not yet priced holds a lower bound of its time
     and memory. Solve, price the candidates the solution uses (`price(stage, stages from
     it)`), repeat until the solution uses only priced candidates: then it is optimal,
-    since every other candidate costs at least its bound."""
+    since every other candidate costs at least its bound.
+
+    With `tolerance` > 0 and `priced()` (a mask of the priced candidates), stop as soon as
+    the best pipeline of priced candidates is within that fraction of the bound: the
+    result is then within (1 + tolerance) of the optimum, for far fewer prices."""
     while True:
         time_s, it, mem = tensors()
         res = stage_dp(time_s, submesh_sizes, num_devices, num_micro_batches, iteration_s=it,
                        memory_bytes=mem, **kwargs)
+        if tolerance > 0 and priced is not None:
+            try:
+                best = stage_dp(np.where(priced(), time_s, np.inf), submesh_sizes, num_devices, num_micro_batches,
+                                iteration_s=it, memory_bytes=mem, **kwargs)
+                if best.latency_s <= res.latency_s * (1 + tolerance):
+                    return best
+            except ValueError:
+                pass
         S = len(res.stages)
         pending = [(st, S - n) for n, st in enumerate(res.stages) if not is_exact(st, S - n)]
         if not pending:
