@@ -17,9 +17,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from autopar.cluster import Cluster, LinkSpec
+from autopar.lower import build_mesh
+from autopar.sharding_spec import AXIS_NAMES
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-AXIS_NAMES = ("a0", "a1")
 DEFAULT_SIZES_BYTES = (2**12, 2**16, 2**20, 2**22)
 _HLO_NAMES = {"all_reduce": "all-reduce", "all_gather": "all-gather",
               "reduce_scatter": "reduce-scatter", "all_to_all": "all-to-all"}
@@ -72,18 +73,11 @@ class AxisFit:
 # ---- the measured programs -------------------------------------------------------------
 
 def _mesh(devices: Sequence[Any], mesh_shape: tuple[int, int]):
-    import jax
-    from jax.sharding import AxisType, Mesh
-    devices = list(devices)
+    """The project's one mesh builder (row-major in the given order, axes AXIS_NAMES):
+    axis 1 walks consecutive devices, which is what Cluster.logical_mesh assumes."""
     if len(mesh_shape) != 2 or min(mesh_shape) < 1:
         raise ValueError(f"mesh_shape must be two positive ints, got {mesh_shape!r}")
-    if mesh_shape[0] * mesh_shape[1] != len(devices):
-        raise ValueError(f"mesh_shape {tuple(mesh_shape)} needs {mesh_shape[0] * mesh_shape[1]} "
-                         f"devices, got {len(devices)}")
-    # Row-major in the given order (not jax.make_mesh's topology reordering): axis 1 walks
-    # consecutive devices, which is what Cluster.logical_mesh assumes.
-    return Mesh(np.array(devices, dtype=object).reshape(mesh_shape), AXIS_NAMES,
-                axis_types=(AxisType.Auto,) * 2)
+    return build_mesh(list(devices), tuple(mesh_shape))
 
 
 def _elements(nbytes: int, n: int) -> int:

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from autopar.pipeline.stage_dp import stage_dp
-from autopar.pipeline.submesh import assign_devices, logical_mesh_shapes, submesh_shapes
+from autopar.cluster import Cluster
+from autopar.pipeline.submesh import assign_devices, logical_mesh_shapes
 
 
 def brute_force(time, it, mem, limit, sizes, N, B, num_stages=None):
@@ -103,8 +104,8 @@ def test_imbalance_tolerance_prunes_within_its_bound():
 
 
 def test_submesh_shapes_and_logical_meshes():
-    assert submesh_shapes(2, 8) == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]
-    assert submesh_shapes(1, 1) == [(1, 1)]
+    assert Cluster.preset("a100-80g", 2, 8).submesh_shapes() == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]
+    assert Cluster.preset("a100-80g", 1, 1).submesh_shapes() == [(1, 1)]
     assert logical_mesh_shapes((2, 8)) == [(2, 8), (4, 4), (8, 2), (16, 1)]   # model axis inside a host
     assert logical_mesh_shapes((1, 4)) == [(1, 4), (2, 2), (4, 1)]
 
@@ -116,7 +117,7 @@ def test_assign_devices_covers_the_cluster_exactly():
         H, M = rng.choice([(1, 8), (2, 8), (4, 4), (3, 8)])
         shapes, left = [], H * M
         while left:
-            opts = [s for s in submesh_shapes(H, M) if s[0] * s[1] <= left
+            opts = [s for s in Cluster.preset("a100-80g", H, M).submesh_shapes() if s[0] * s[1] <= left
                     and (s[1] == M or s[0] * s[1] <= left % M or left % M == 0)]
             s = rng.choice(opts)
             shapes.append(s)

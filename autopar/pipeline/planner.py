@@ -28,7 +28,7 @@ from autopar.pipeline.layers import LayerSpec, clustered_cuts, cut_layers, marke
 from autopar.pipeline.method import PipeshardParallel
 from autopar.pipeline.stage import StageCost, StageLayers, compose, stage_layers
 from autopar.pipeline.stage_dp import StageDPResult, lazy_stage_dp, stage_dp
-from autopar.pipeline.submesh import assign_devices, logical_mesh_shapes, submesh_shapes
+from autopar.pipeline.submesh import assign_devices, logical_mesh_shapes
 from autopar.pipeline.trace import StepTracer, TracedStep
 
 REMAT_OPTIONS = ("none", "full")
@@ -410,7 +410,7 @@ class PipelinePlanner:
                 raise ValueError(f"submeshes {fixed} use {used} devices but there are {c.num_devices} "
                                  f"({c.num_hosts} x {c.devices_per_host}); give shapes that cover all devices")
             return fixed, len(fixed), True
-        return submesh_shapes(c.num_hosts, c.devices_per_host), self.method.num_stages, False
+        return c.submesh_shapes(), self.method.num_stages, False
 
     def _dp(self, cand: _Candidates, time_s, it, mem, num_stages, fixed, limit: float | None = None) -> StageDPResult:
         if fixed:

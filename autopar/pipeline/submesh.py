@@ -1,21 +1,9 @@
-"""Submesh shapes of a cluster (Alpa): 1 x 2^k inside a host, or n whole hosts; their
-logical 2-D mesh shapes; and a placement of a list of submeshes onto the devices."""
+"""The logical 2-D mesh shapes of a pipeline submesh, and a placement of a list of
+submeshes onto the devices. (The submesh shapes themselves, Alpa's 1 x 2^k inside a host
+or n whole hosts, are `Cluster.submesh_shapes`.)"""
 from __future__ import annotations
 
 from typing import Sequence
-
-
-def submesh_shapes(num_hosts: int, devices_per_host: int) -> list[tuple[int, int]]:
-    """(1, 1), (1, 2), (1, 4), ..., (1, M), (2, M), ..., (H, M)."""
-    if num_hosts < 1 or devices_per_host < 1:
-        raise ValueError("need at least one host and one device per host")
-    shapes = []
-    k = 1
-    while k < devices_per_host:
-        shapes.append((1, k))
-        k *= 2
-    shapes += [(n, devices_per_host) for n in range(1, num_hosts + 1)]
-    return shapes
 
 
 def logical_mesh_shapes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
