@@ -65,6 +65,7 @@ class ShardingPlan:
     num_nodes: int
     num_variables: int
     op_time_s: dict[int, float] = field(default_factory=dict)   # first op of each ILP node -> its time
+    resharded: tuple[tuple[int, int, DimSharding], ...] = ()      # (reading op, var, layout it is read in)
 
     @property
     def comm_bytes(self) -> float:
@@ -468,6 +469,7 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
     # are compared on the quantity the solver minimised.
     reshard_s = 0.0
     seen: set = set()
+    resharded: list[tuple[int, int, DimSharding]] = []
     for e, v, sl, dl in edges:
         a, b = sl[e.src_key[sol.choice[e.src]]], dl[e.dst_key[sol.choice[e.dst]]]
         t, cs = reshard(a, b, graph.vars[v])
@@ -475,6 +477,9 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
         if (v, a, b) not in seen:
             seen.add((v, a, b))
             colls.extend(cs)
+        if a != b and groups[e.dst].ops:
+            reader = next((i for i in groups[e.dst].ops if v in graph.ops[i].inputs), groups[e.dst].ops[0])
+            resharded.append((reader, v, b))
     out_specs = []
     for pos, v in enumerate(graph.outvars):
         if pos in tie_outputs:
@@ -491,4 +496,5 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
     op_time = {g.ops[0]: ch.cost_s for g, ch in zip(groups, chosen) if g.ops}
     return ShardingPlan(mesh.shape, var_specs, op_strats, tuple(out_specs), compute_s + comm_s + reshard_s, compute_s, comm_s,
                         reshard_s, max(mem) if mem else 0.0, arg_mem[0] if arg_mem else 0.0, tuple(colls),
-                        sol.status, time.perf_counter() - t0, len(groups), sol.num_variables, op_time)
+                        sol.status, time.perf_counter() - t0, len(groups), sol.num_variables, op_time,
+                        tuple(resharded))

@@ -136,9 +136,15 @@ def layer_cost(lg: LayerGraph, mesh: LogicalMesh, plan: ShardingPlan) -> LayerCo
     # the forward's residuals leave it (counted per micro-batch in flight); its activation
     # outputs and the backward's gradients are working memory until the next layer takes
     # them or they are added into the accumulators
+    # an operand read in another layout than it lives in is copied for its reader (e.g. a
+    # sharded parameter gathered whole): that copy is alive while the reader runs
+    copies: dict[int, float] = {}
+    for op, v, spec in plan.resharded:
+        copies[op] = copies.get(op, 0.0) + g.vars[v].nbytes / shard_factor(spec, ms)
     fwd_peak = liveness_peak(g, range(nf), size, live_out=residual | outs,
-                             count=lambda v: v in keep and v not in residual)
-    bwd_peak = liveness_peak(g, range(nf, len(g.ops)), size, live_out=outs, count=lambda v: v in keep)
+                             count=lambda v: v in keep and v not in residual, transient=copies)
+    bwd_peak = liveness_peak(g, range(nf, len(g.ops)), size, live_out=outs, count=lambda v: v in keep,
+                             transient=copies)
     fwd_s = sum(_op_time(plan, i) for i in range(nf))
     return LayerCost(ms, plan, plan.objective_s, min(fwd_s, plan.objective_s),
                      sum(size(v) for v in residual), tuple(size(v) for v in lg.param_vars),

@@ -137,6 +137,10 @@ def compose(stage: StageLayers, costs: Sequence[LayerCost], mesh: LogicalMesh, *
     state = weight * (1.0 + state_bytes_per_param_byte)             # params + optimizer state
     update_s = mesh.memory_s(weight * (3.0 + 2.0 * state_bytes_per_param_byte))  # read p, g, s; write p, s
     working = max(max(c.forward_peak_bytes, c.backward_peak_bytes) for c in costs)
+    if any(lg.remat != "none" for lg in stage.layers):
+        # measured on XLA CPU: with the forwards recomputed, the backward program holds
+        # every layer's working memory at once (not one layer's at a time)
+        working = max(working, sum(c.backward_peak_bytes for c in costs))
     return StageCost(micro_batch_s=time_s, iteration_s=update_s, weight_bytes=state + weight,
                      activation_bytes=sum(c.residual_bytes for c in costs), working_bytes=working,
                      update_bytes=state, forward_s=fwd_s, compute_s=compute, comm_s=comm, reshard_s=reshard,
@@ -163,50 +167,46 @@ class StagePrograms:
     def _named(self, spec: DimSharding | None, ndim: int) -> NamedSharding:
         return NamedSharding(self.mesh, to_partition_spec(spec if spec is not None else replicated(ndim)))
 
+    def _first(self, inputs: str, key: int):
+        """(layer graph, its layout, index) of the first layer whose spec lists `key` in
+        `inputs` ("param_inputs", "batch_inputs", "in_acts" or "out_acts")."""
+        for lg, layout in zip(self.stage.layers, self.layouts):
+            keys = getattr(lg.spec, inputs)
+            if key in keys:
+                return lg, layout, keys.index(key)
+        raise KeyError(key)
+
+    def _of_var(self, lg: LayerGraph, layout: Any, v: int) -> NamedSharding:
+        return self._named(layout.var_specs.get(v), lg.graph.vars[v].ndim)
+
+    def _of_output(self, lg: LayerGraph, layout: Any, position: int) -> NamedSharding:
+        return self._named(layout.out_specs[position], lg.graph.vars[lg.graph.outvars[position]].ndim)
+
     def param_sharding(self, pos: int) -> NamedSharding:
-        for lg, c in zip(self.stage.layers, self.layouts):
-            if pos in lg.spec.param_inputs:
-                v = lg.param_vars[lg.spec.param_inputs.index(pos)]
-                return self._named(c.var_specs.get(v), lg.graph.vars[v].ndim)
-        raise KeyError(pos)
+        """Where parameter `pos` (a loss input) lives: its first reader's layout."""
+        lg, layout, k = self._first("param_inputs", pos)
+        return self._of_var(lg, layout, lg.param_vars[k])
 
     def batch_sharding(self, pos: int) -> NamedSharding:
-        for lg, c in zip(self.stage.layers, self.layouts):
-            if pos in lg.spec.batch_inputs:
-                v = lg.batch_vars[lg.spec.batch_inputs.index(pos)]
-                return self._named(c.var_specs.get(v), lg.graph.vars[v].ndim)
-        raise KeyError(pos)
+        lg, layout, k = self._first("batch_inputs", pos)
+        return self._of_var(lg, layout, lg.batch_vars[k])
 
     def in_act_sharding(self, v: int) -> NamedSharding:
-        for lg, c in zip(self.stage.layers, self.layouts):
-            if v in lg.spec.in_acts:
-                w = lg.act_vars[lg.spec.in_acts.index(v)]
-                return self._named(c.var_specs.get(w), lg.graph.vars[w].ndim)
-        raise KeyError(v)
+        lg, layout, k = self._first("in_acts", v)
+        return self._of_var(lg, layout, lg.act_vars[k])
 
     def out_act_sharding(self, v: int) -> NamedSharding:
-        for lg, c in zip(self.stage.layers, self.layouts):
-            if v in lg.spec.out_acts:
-                k = lg.spec.out_acts.index(v)
-                return self._named(c.out_specs[k], lg.graph.vars[lg.out_vars[k]].ndim)
-        raise KeyError(v)
+        lg, layout, k = self._first("out_acts", v)
+        return self._of_output(lg, layout, k)
 
     def ct_sharding(self, v: int) -> NamedSharding:
         """Layout the backward takes the cotangent of out_act `v` in."""
-        for lg, c in zip(self.stage.layers, self.layouts):
-            if v in lg.spec.out_acts:
-                ct = lg.ct_vars[lg.spec.out_acts.index(v)]
-                return self._named(c.var_specs.get(ct), lg.graph.vars[ct].ndim)
-        raise KeyError(v)
+        lg, layout, k = self._first("out_acts", v)
+        return self._of_var(lg, layout, lg.ct_vars[k])
 
     def act_grad_sharding(self, v: int) -> NamedSharding:
-        for lg, c in zip(self.stage.layers, self.layouts):
-            if v in lg.spec.in_acts:
-                j = lg.spec.in_acts.index(v)
-                g = lg.act_grad_vars[j]
-                k = lg.graph.outvars.index(g, len(lg.spec.out_acts))
-                return self._named(c.out_specs[k], lg.graph.vars[g].ndim)
-        raise KeyError(v)
+        lg, layout, k = self._first("in_acts", v)
+        return self._of_output(lg, layout, len(lg.spec.out_acts) + len(lg.spec.param_inputs) + sum(lg.float_in[:k]))
 
     def residual_shardings(self) -> list[NamedSharding]:
         return [self._named(c.var_specs.get(r), lg.graph.vars[r].ndim)
@@ -291,6 +291,10 @@ class StagePrograms:
                 for w, ct in zip(lg.spec.out_acts, lg.ct_vars):
                     if ct is not None:
                         env[ct] = self._constrain(specs, ct, ct_env.pop(w))
+                # the layer's backward (a recomputed forward included) waits for its cotangents:
+                # otherwise XLA may start every layer's recomputation at once and keep it all
+                held = [v for v in (*lg.residuals, *(c for c in lg.ct_vars if c is not None)) if v in env]
+                env.update(zip(held, jax.lax.optimization_barrier(tuple(env[v] for v in held))))
                 eval_ops(lg.graph, env, range(lg.num_forward_ops, len(lg.graph.ops)), self._hook(specs))
                 for i, g in zip(lg.spec.param_inputs, lg.param_grad_vars):   # into the accumulator at once
                     acc[i] = acc[i] + _read(lg.graph, env, g).astype(acc[i].dtype)

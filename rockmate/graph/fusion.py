@@ -41,10 +41,12 @@ def materialized(graph: OpGraph, keep: Iterable[int] = ()) -> set[int]:
 
 
 def liveness_peak(graph: OpGraph, ops: Sequence[int], nbytes: Callable[[int], float],
-                  live_out: Iterable[int] = (), count: Callable[[int], bool] = lambda v: True) -> float:
+                  live_out: Iterable[int] = (), count: Callable[[int], bool] = lambda v: True,
+                  transient: dict[int, float] | None = None) -> float:
     """Largest total `nbytes` of vars defined by `ops` (in that order) that are alive at
     once: from their producer until their last reader among `ops`, or to the end for vars
-    in `live_out`. Only vars for which `count(v)` holds are summed."""
+    in `live_out`. Only vars for which `count(v)` holds are summed. `transient[i]` bytes are
+    alive while op i runs (e.g. an operand copied into another layout for it)."""
     position = {i: k for k, i in enumerate(ops)}
     last: dict[int, int] = {}
     for k, i in enumerate(ops):
@@ -61,8 +63,12 @@ def liveness_peak(graph: OpGraph, ops: Sequence[int], nbytes: Callable[[int], fl
             b = position[i]
             delta[b] += nbytes(v)
             delta[max(last.get(v, b), b) + 1] -= nbytes(v)
+    extra = [0.0] * (end + 2)
+    for i, b in (transient or {}).items():
+        if i in position:
+            extra[position[i]] += b
     peak = running = 0.0
-    for d in delta:
+    for d, e in zip(delta, extra):
         running += d
-        peak = max(peak, running)
+        peak = max(peak, running + e)
     return peak
