@@ -41,7 +41,7 @@ def _group_size(line: str) -> int:
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
     if m:
         return int(m.group(2))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{([^}]*)\}", line)
     if m:
         sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
         n = 1

@@ -117,10 +117,21 @@ class Strategy:
         return float(sum(c.nbytes for c in self.collectives))
 
 
-def all_layouts(shape: tuple[int, ...], mesh_shape: tuple[int, int]) -> list[DimSharding]:
-    """Every valid layout of a tensor on the mesh, skipping splits over size-1 axes.
+def is_transposed(spec: DimSharding) -> bool:
+    """Whether the mesh axes occur out of order reading the dims left to right."""
+    order = [a for axes in spec for a in axes]
+    return order != sorted(order)
 
-    The fully replicated layout comes first.
+
+def all_layouts(shape: tuple[int, ...], mesh_shape: tuple[int, int]) -> list[DimSharding]:
+    """Every valid layout of a tensor on the mesh, skipping splits over size-1 axes and
+    transposed tilings (a later dim on mesh axis 0 while an earlier dim is on axis 1).
+
+    XLA lays a transposed tiling out with a permuted device list and splits every collective
+    over both axes into one per axis (an all-reduce over each, where the plan priced one
+    reduce-scatter), so the cost model's single-collective price would not hold; the layout
+    with the axes in mesh order has the same local shapes and is kept. The fully
+    replicated layout comes first.
     """
     axes_live = [a for a in (0, 1) if mesh_shape[a] > 1]
     options: list[AxisSet] = [()] + [(a,) for a in axes_live]
@@ -130,7 +141,8 @@ def all_layouts(shape: tuple[int, ...], mesh_shape: tuple[int, int]) -> list[Dim
 
     def rec(i: int, used: frozenset, acc: list) -> None:
         if i == len(shape):
-            out.append(tuple(acc))
+            if not is_transposed(tuple(acc)):
+                out.append(tuple(acc))
             return
         for axes in options:
             if used & set(axes):

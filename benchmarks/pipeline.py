@@ -146,27 +146,29 @@ def describe(row: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", default="gpt", choices=[*SUITES, "all"])
-    ap.add_argument("--only", default=None, help="one config by name, e.g. GPT-39B")
+    ap.add_argument("--only", default=None, help="configs by name, comma-separated, e.g. GPT-350M,GPT-39B")
     ap.add_argument("--no-grid", action="store_true")
     args = ap.parse_args(argv)
     families = list(SUITES) if args.family == "all" else [args.family]
+    only = {n.strip().lower() for n in args.only.split(",")} if args.only else None
+    out_dir = os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"pipeline_{int(time.time())}.json")
     rows = []
     for fam in families:
         for case in SUITES[fam]:
-            if args.only and case.name.lower() != args.only.lower():
+            if only and case.name.lower() not in only:
                 continue
             row = run_case(case, grid=not args.no_grid)
             rows.append(row)
+            with open(path + ".tmp", "w") as f:      # after every config: a killed run keeps what it measured
+                json.dump(rows, f, indent=1, default=str)
+            os.replace(path + ".tmp", path)
             grid = row.get("grid")
             print(f"{row['model']:>14} {row['devices']:>3} dev  auto {row['tflops_per_device']:6.1f} TFLOP/s/dev"
                   + (f"  grid {grid['tflops_per_device']:6.1f} (dp{grid['dp']} tp{grid['tp']} pp{grid['pp']} "
                      f"B={grid['B']})  auto/grid {row['auto_over_grid']:.3f}" if grid else "")
                   + f"  planned in {row['planning_s']:.1f} s  [{describe(row)}]", flush=True)
-    out_dir = os.path.join(os.path.dirname(__file__), "results")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"pipeline_{int(time.time())}.json")
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1, default=str)
     print(f"wrote {path}")
     print("\n| model | devices | auto TFLOP/s/dev | grid TFLOP/s/dev | auto/grid | auto plan | planning s |")
     print("|---|---|---|---|---|---|---|")

@@ -60,7 +60,19 @@ def test_hlo_parser_reads_tuple_async_and_iota_groups():
   %all-reduce.3 = (f32[32]{0}, /*index=1*/f32[4,8]{1,0}) all-reduce(%a, %b), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
   %ag = f32[16,8]{1,0} all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}
   %rs = bf16[2,8]{1,0} reduce-scatter(%q), replica_groups=mesh['x'=2,'y'=4] {'y'}, dimensions={0}
+  %ag.7 = f32[32,384]{0,1} all-gather(%f), replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, dimensions={1}
 """
     got = parse_collectives(text)
     assert [(c.kind, c.nbytes, c.group_size) for c in got] == [
-        ("all-reduce", 32 * 4 + 32 * 4, 4), ("all-gather", 16 * 8 * 4, 4), ("reduce-scatter", 2 * 8 * 2 * 4, 4)]
+        ("all-reduce", 32 * 4 + 32 * 4, 4), ("all-gather", 16 * 8 * 4, 4), ("reduce-scatter", 2 * 8 * 2 * 4, 4),
+        ("all-gather", 32 * 384 * 4, 2)]
+
+
+def test_layouts_offered_for_variables_keep_mesh_axes_in_order():
+    """A transposed tiling would make XLA split a two-axis collective into one per axis."""
+    from autopar.sharding_spec import all_layouts, is_transposed
+
+    layouts = all_layouts((128, 384), (2, 4))
+    assert ((0,), (1,)) in layouts and ((1,), (0,)) not in layouts
+    assert not any(is_transposed(l) for l in layouts)
+    assert is_transposed(((), (1,), (0,))) and not is_transposed(((0, 1), ()))
