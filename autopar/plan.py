@@ -209,9 +209,14 @@ class Plan:
             raise PlanFileError(f"plan schema_version {version!r} is not supported by this autopar, which reads "
                                 f"schema_version {SCHEMA_VERSION} (an integer); re-plan with this version")
         try:
-            return _build(Plan, d, "plan")
+            plan = _build(Plan, d, "plan")
         except (TypeError, KeyError, ValueError) as e:
             raise PlanFileError(f"corrupt autopar plan: {e}") from None
+        ids = [i for s in plan.stages for i in s.device_ids]
+        if len(set(ids)) != len(ids):
+            raise PlanFileError(f"corrupt autopar plan: device ids {sorted(ids)} repeat a device (each device runs "
+                                "one stage once); re-plan")
+        return plan
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a failed write never leaves a half-written file over a good one."""

@@ -91,6 +91,7 @@ def _edited(path, tmp_path, edit):
     (lambda d: d["stages"][0]["inputs"][0].update(shape=[3, 5]), "shape"),
     (lambda d: d["stages"][0]["intermediates"][0].update(op=10 ** 6), "not in the traced step"),
     (lambda d: d["stages"][0].update(mesh_shape=[3, 4]), "does not fit|devices"),
+    (lambda d: d["stages"][0].update(device_ids=[0, 0, 1, 1, 2, 2, 3, 3]), "repeat a device"),
 ])
 def test_plan_files_with_bad_content_give_plan_file_errors(saved, tmp_path, edit, match):
     step, state, batch, path = saved
@@ -132,21 +133,40 @@ def test_cli_bad_arguments_print_one_line_and_exit_2(argv, match, capsys):
     assert __import__("re").search(match, err), err
 
 
-def test_control_flow_planned_replicated_is_said_once():
-    def step(w, x):
-        def body(c):
-            return c * 0.5
-        y = jax.lax.while_loop(lambda c: jnp.sum(c) > 1.0, body, x @ w)
-        return jnp.sum(y)
+def _while_step(w, x):
+    y = jax.lax.while_loop(lambda c: jnp.sum(c) > 1.0, lambda c: c * 0.5, x @ w)
+    return jnp.sum(y)
 
+
+def _cond_step(w, x):
+    h = x @ w
+    y = jax.lax.cond(jnp.sum(h) > 0, lambda c: c * 2.0, lambda c: c - 1.0, h)
+    return jnp.sum(y)
+
+
+@pytest.mark.parametrize("prim,step", [("while", _while_step), ("cond", _cond_step)])
+def test_control_flow_planned_replicated_is_said_once(prim, step):
     w, x = jnp.ones((8, 8)), jnp.ones((16, 8))
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         from autopar.strategies import _warned
-        _warned.discard("while")
+        _warned.discard(prim)
         autopar.parallelize(step, batch_argnums=(1,)).get_plan(w, x)
-    msgs = [str(r.message) for r in rec if "`while`" in str(r.message)]
+        autopar.parallelize(step, batch_argnums=(1,)).get_plan(w, x)   # said once per process
+    msgs = [str(r.message) for r in rec if f"`{prim}`" in str(r.message)]
     assert len(msgs) == 1 and "replicated" in msgs[0]
+
+
+def test_an_op_on_literals_only_plans_without_warnings():
+    """`jnp.sum(3.0)` traces to a reduce_sum whose only input is a literal: a constant."""
+    def step(w, x):
+        return jnp.sum(x @ w) * jnp.sum(jnp.float32(3.0))
+
+    w, x = jnp.ones((8, 8)), jnp.ones((16, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pstep = autopar.parallelize(step, batch_argnums=(1,))
+        np.testing.assert_allclose(pstep(w, x), step(w, x), rtol=1e-6)
 
 
 def test_memory_budget_error_with_remat_on_does_not_ask_to_enable_it():

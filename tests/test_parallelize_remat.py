@@ -1,5 +1,7 @@
 """remat in parallelize: under a budget the plan cannot meet, the loss gets a rockmate
 schedule, the result still equals one device, and the plan records the choice."""
+import time
+
 import jax
 import pytest
 
@@ -66,7 +68,10 @@ def test_remat_auto_checks_the_compiled_program_and_replans_until_it_fits():
     ma_free = free.lower(state, batch).compile().memory_analysis()[0]
     budget = int(ma_free.argument_size_in_bytes + 0.6 * ma_free.temp_size_in_bytes)
     tight = autopar.parallelize(step, method=method, memory_budget=budget, remat="auto")
+    t0 = time.perf_counter()
     plan = tight.get_plan(state, batch)
+    wall = time.perf_counter() - t0
+    assert 0.8 * wall <= plan.planning_time_s <= wall   # re-planning (with its compiles) is counted
     r = plan.remat
     assert r.applied == "rockmate" and r.measured_fits_budget, r
     ma = tight.lower(state, batch).compile().memory_analysis()[0]

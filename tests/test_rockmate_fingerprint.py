@@ -64,3 +64,23 @@ def test_remat_of_custom_vjp_and_pure_callback_runs_and_keeps_their_gradients():
     assert not np.allclose(jax.tree.leaves(unclipped)[0], jax.tree.leaves(got)[0], rtol=1e-3)
     with pytest.raises(ValueError, match="different program"):
         f2(*problem(width=16))
+
+
+def test_parallelize_remat_full_of_custom_vjp_and_pure_callback_runs_twice_like_jit():
+    """The same structural fingerprint lets a `parallelize(remat="full")` plan be reused on
+    the second call (it used to be refused as "made for a different program")."""
+    import autopar
+
+    def step(params, x):
+        loss, grads = autopar.value_and_grad(model)(params, x)
+        return [(a - 0.1 * ga, b - 0.1 * gb) for (a, b), (ga, gb) in zip(params, grads)], loss
+
+    params, x = problem()
+    pstep = autopar.parallelize(step, remat="full")
+    assert pstep.get_plan(params, x).remat.applied == "rockmate"
+    want_p, want = jax.jit(step)(params, x)
+    for _ in range(2):
+        got_p, got = pstep(params, x)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
