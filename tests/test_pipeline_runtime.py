@@ -165,6 +165,32 @@ def test_plan_for_a_cluster_that_is_not_here():
     assert autopar.Plan.from_json(plan.to_json()) == plan
 
 
+def _grouped_step(params, x):
+    """A loss that mixes rows within groups of 4 (as GShard's MoE groups tokens): it
+    cannot be traced on micro-batches of fewer than 4 rows."""
+    def loss(p):
+        h = x
+        for w in p:
+            g = jnp.tanh(h @ w).reshape(-1, 4, w.shape[1])
+            h = (g - g.mean(axis=1, keepdims=True)).reshape(-1, w.shape[1])
+        return jnp.mean(h ** 2)
+
+    l, g = value_and_grad(loss)(params)
+    return [w - 0.1 * gw for w, gw in zip(params, g)], l
+
+
+def test_micro_batch_counts_the_step_cannot_be_traced_at_are_skipped():
+    params = [jax.ShapeDtypeStruct((32, 32), jnp.float32) for _ in range(4)]
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    plan = autopar.make_plan(_grouped_step, params, x, cluster="1x2:a100-80g",
+                             method=autopar.PipeshardParallel(num_micro_batches="auto"))
+    assert plan.pipeline.search.micro_batch_candidates == (1, 2, 4, 8, 16)
+    assert plan.num_micro_batches in (1, 2, 4)
+    with pytest.raises(ValueError, match="cannot be traced on 8 micro-batches .batch 2 each.*fewer micro-batches"):
+        autopar.make_plan(_grouped_step, params, x, cluster="1x2:a100-80g",
+                          method=autopar.PipeshardParallel(num_micro_batches=8))
+
+
 def test_clear_errors():
     opt = optax.sgd(0.1)
     state, batch = init_state(opt), make_batch(jax.random.PRNGKey(8), 6)

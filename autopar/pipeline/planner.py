@@ -417,7 +417,7 @@ class PipelinePlanner:
             time_s = _restrict_to_given(cand, time_s)
         self.dp_runs += 1
         return stage_dp(time_s, [n * m for n, m in cand.shapes], self.cluster.num_devices,
-                        cand.traced.num_micro_batches, iteration_s=it, memory_bytes=mem,
+                        cand.B, iteration_s=it, memory_bytes=mem,
                         memory_limit_bytes=self.memory_limit_bytes if limit is None else limit, num_stages=num_stages,
                         imbalance_tolerance=self.method.imbalance_tolerance)
 

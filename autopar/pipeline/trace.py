@@ -70,6 +70,10 @@ def _batch_derived(graph: OpGraph, batch_inputs: set[int]) -> set[int]:
     return derived
 
 
+class MicroBatchTraceError(ValueError):
+    """The train step fails to trace when its batch is cut into this many micro-batches."""
+
+
 class StepTracer:
     """Traces of one train step for the pipeline planner: the whole step at the full batch
     (once), and its loss at any number of micro-batches (cached). Lives as long as one
@@ -87,6 +91,7 @@ class StepTracer:
                         for k in range(offsets[i], offsets[i + 1])}
         self._derived = _batch_derived(self.step, batch_inputs)
         self._traced: dict[int, TracedStep] = {}
+        self._failed: dict[int, "MicroBatchTraceError"] = {}
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
@@ -107,9 +112,25 @@ class StepTracer:
         return set(self._traced)
 
     def at(self, num_micro_batches: int) -> TracedStep:
-        """The step with its loss traced on one of `num_micro_batches` micro-batches."""
+        """The step with its loss traced on one of `num_micro_batches` micro-batches.
+
+        A step that cannot be traced on micro-batches that small (a model that reshapes
+        its tokens into groups of a fixed size) raises MicroBatchTraceError, a ValueError:
+        the planner drops that number of micro-batches."""
         if num_micro_batches not in self._traced:
-            self._traced[num_micro_batches] = self._trace(num_micro_batches)
+            if num_micro_batches in self._failed:
+                raise self._failed[num_micro_batches]
+            try:
+                self._traced[num_micro_batches] = self._trace(num_micro_batches)
+            except LossCaptured:
+                raise
+            except Exception as e:       # the user's code failed on the smaller shapes
+                sizes = "/".join(str(s // num_micro_batches) for s in self.batch_sizes)
+                err = MicroBatchTraceError(
+                    f"the step cannot be traced on {num_micro_batches} micro-batches (batch {sizes} each): "
+                    f"{type(e).__name__}: {e}; use fewer micro-batches (num_micro_batches='auto' skips these)")
+                self._failed[num_micro_batches] = err
+                raise err from e
         return self._traced[num_micro_batches]
 
     def _trace(self, B: int) -> TracedStep:
