@@ -91,7 +91,7 @@ class StepTracer:
                         for k in range(offsets[i], offsets[i + 1])}
         self._derived = _batch_derived(self.step, batch_inputs)
         self._traced: dict[int, TracedStep] = {}
-        self._failed: dict[int, "MicroBatchTraceError"] = {}
+        self._failed: dict[int, MicroBatchTraceError] = {}
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
@@ -122,15 +122,9 @@ class StepTracer:
                 raise self._failed[num_micro_batches]
             try:
                 self._traced[num_micro_batches] = self._trace(num_micro_batches)
-            except LossCaptured:
+            except MicroBatchTraceError as e:
+                self._failed[num_micro_batches] = e
                 raise
-            except Exception as e:       # the user's code failed on the smaller shapes
-                sizes = "/".join(str(s // num_micro_batches) for s in self.batch_sizes)
-                err = MicroBatchTraceError(
-                    f"the step cannot be traced on {num_micro_batches} micro-batches (batch {sizes} each): "
-                    f"{type(e).__name__}: {e}; use fewer micro-batches (num_micro_batches='auto' skips these)")
-                self._failed[num_micro_batches] = err
-                raise err from e
         return self._traced[num_micro_batches]
 
     def _trace(self, B: int) -> TracedStep:
@@ -155,6 +149,12 @@ class StepTracer:
                     trace_graph(self.fun, *micro_args)
                 except LossCaptured:
                     pass
+                except Exception as e:       # the user's code failed on the smaller shapes
+                    sizes = "/".join(str(s // B) for s in self.batch_sizes)
+                    raise MicroBatchTraceError(
+                        f"the step cannot be traced on {B} micro-batches (batch {sizes} each): "
+                        f"{type(e).__name__}: {e}; use fewer micro-batches (num_micro_batches='auto' skips these)"
+                    ) from e
             call = calls[0]
         loss = graph_from_jaxpr(call.loss_jaxpr, keep_custom_rules=True)
         grad = self.step.ops[self.grad_op]
