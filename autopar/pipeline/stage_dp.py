@@ -10,7 +10,9 @@ intra-stage choices (logical mesh shapes): within one bound the best option is t
 with the least c, so the DP stays exact over them. Latency = F(s, 0, N) + (B - 1) * max.
 
 Pruning: bounds below the smallest feasible one are skipped by bisection (feasibility is
-monotone in the bound); enumeration stops once B * t_max reaches the best latency. With an
+monotone in the bound); enumeration stops once the least stage-time sum under no bound
+plus (B - 1) * t_max reaches the best latency (a solution first found under t_max has its
+slowest stage at t_max). With an
 imbalance tolerance eps (Alpa's pruning) the bounds are grouped into windows
 [t, (1 + eps) t] and only each window's largest bound is tried, so the result is within a
 factor (1 + eps) of the optimum; eps = 0 is exact.
@@ -75,14 +77,16 @@ def stage_dp(time_s: np.ndarray, submesh_sizes: Sequence[int], num_devices: int,
     ok &= np.triu(np.ones((L, L), bool))[:, :, None, None, None]
     time_ok = np.where(ok, time_s, np.inf)
     total_ok = np.where(ok, total, np.inf)
+    time_ok, total_ok, option_of = _pareto_options(time_ok, total_ok)
     stage_counts = list(range(1, S + 1)) if num_stages is None else [num_stages]
     sizes = np.asarray(submesh_sizes, dtype=np.int64)
 
     def solve(t_max: float):
         """Best solution per stage count under the bound: {s: (sum, stages)}."""
         masked = np.where(time_ok <= t_max, total_ok, np.inf)
-        option = np.argmin(masked, axis=4)
-        cost = np.take_along_axis(masked, option[..., None], axis=4)[..., 0]   # [L, L, M, S]
+        pick = np.argmin(masked, axis=4)
+        cost = np.take_along_axis(masked, pick[..., None], axis=4)[..., 0]     # [L, L, M, S]
+        option = np.take_along_axis(option_of, pick[..., None], axis=4)[..., 0]
         F = np.full((L + 1, N + 1), np.inf)
         F[L, 0] = 0.0
         # G[m, i, d] = F[i + 1, d - size_m]
@@ -115,9 +119,13 @@ def stage_dp(time_s: np.ndarray, submesh_sizes: Sequence[int], num_devices: int,
     best: tuple[float, float, list] | None = None
     tried = 0
     k = lo_i
+    # a solution first found under bound t has its slowest stage at t, so its latency is at
+    # least the least stage-time sum under no bound plus (B - 1) t
+    unbounded = solve(np.inf) if lo_i < len(candidates) else {}
+    least_sum = min((v[0] for v in unbounded.values()), default=0.0)
     while k < len(candidates):
         lo = candidates[k]
-        if best is not None and B * lo >= best[0]:
+        if best is not None and least_sum + (B - 1) * lo >= best[0]:
             break
         k = int(np.searchsorted(candidates, lo * (1.0 + imbalance_tolerance), side="right"))
         tried += 1
@@ -132,6 +140,28 @@ def stage_dp(time_s: np.ndarray, submesh_sizes: Sequence[int], num_devices: int,
                          "cannot use all devices; add devices, lower the batch size, or "
                          "allow more stages")
     return StageDPResult(tuple(best[2]), best[0], best[1], tried)
+
+
+def _pareto_options(time_ok: np.ndarray, total_ok: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Keep, per (range, submesh, stage count), only the options no other option beats on
+    both per-micro-batch time and total: under any bound the least total among the options
+    within it is one of these. Returns (time, total, original option index) over the kept
+    options, padded with infinite times; the DP's work shrinks with the option count."""
+    order = np.argsort(time_ok, axis=4, kind="stable")
+    t = np.take_along_axis(time_ok, order, axis=4)
+    tot = np.take_along_axis(total_ok, order, axis=4)
+    before = np.minimum.accumulate(tot, axis=4)
+    before = np.concatenate([np.full(tot.shape[:4] + (1,), np.inf), before[..., :-1]], axis=4)
+    keep = np.isfinite(t) & (tot < before)
+    width = max(int(keep.sum(axis=4).max(initial=0)), 1)
+    slot = np.where(keep, np.cumsum(keep, axis=4) - 1, width)      # kept options move to the front
+    shape = tot.shape[:4] + (width + 1,)
+    out_t, out_tot = np.full(shape, np.inf), np.full(shape, np.inf)
+    out_o = np.zeros(shape, dtype=np.int64)
+    idx = np.indices(tot.shape)
+    where = (*idx[:4], slot)
+    out_t[where], out_tot[where], out_o[where] = t, tot, order
+    return out_t[..., :width], out_tot[..., :width], out_o[..., :width]
 
 
 def _reconstruct(args, option, s, L, N, sizes) -> list[StageChoice]:
