@@ -92,8 +92,11 @@ def _plan(method: Any, request: PlanRequest, activation_scale: float = 1.0) -> S
                                      tie_outputs=ties, memory_scope=scope)
         return splan
 
-    graph = trace_step(request.fun, args, kwargs)
     remat = request.remat
+    if remat not in ("auto", "none", "full"):
+        raise ValueError(f"remat={remat!r}: a single-program method takes 'auto', 'none' or 'full' (both of "
+                         f"the others use rockmate); 'rockmate' fixes the per-stage choice of PipeshardParallel")
+    graph = trace_step(request.fun, args, kwargs)
     remat_info = RematInfo(mode=remat, applied="none")
     try:
         splan = plan_once(graph)

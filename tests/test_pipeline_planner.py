@@ -174,6 +174,35 @@ def test_roofline_bound_is_below_the_ilp_on_every_mesh(traced):
             assert solver.lower_bound(lg, mesh) <= solver(lg, mesh).time_s * (1 + 1e-9)
 
 
+def test_a_layer_on_a_mesh_costs_at_least_its_cost_on_a_scaled_down_mesh_over_the_factor(traced):
+    """The planner's bound from smaller meshes (parallel efficiency at most 1) holds for
+    the ILP's solutions, including meshes whose first axis crosses hosts, and relates
+    only meshes that differ in one axis with links no slower."""
+    from autopar.pipeline.planner import scaled_down_meshes
+
+    t, _, _ = traced
+    layers = cut_layers(t.loss, repeat_cuts(t.loss), t.diff_mask)
+    cluster = Cluster.parse("4x2:a100-80g")
+    shapes = [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1)]
+    meshes = [(i, 0, cluster.logical_mesh(s)) for i, s in enumerate(shapes)]
+    solver = LayerSolver()
+    pairs = 0
+    for spec in (layers[0], layers[1], layers[-1]):
+        lg = trace_layer(t.loss, spec)
+        for _, _, big in meshes:
+            for i, _, f in scaled_down_meshes(big, meshes):
+                small = meshes[i][2]
+                assert big.num_devices == f * small.num_devices
+                (a, b), (x, y) = big.shape, small.shape
+                assert (a == x and b == f * y) or (b == y and a == f * x)
+                assert solver(lg, big).time_s * (1 + 1e-9) >= solver(lg, small).time_s / f
+                pairs += 1
+    assert pairs >= 3 * 8
+    # (2, 2) crosses hosts on its first axis: it does not bound (2, 4)-like meshes within a host
+    inside = Cluster.parse("1x8:a100-80g").logical_mesh((2, 4))
+    assert not any(m.shape == (2, 2) for *_, m in [meshes[j] for j, *_ in scaled_down_meshes(inside, meshes)])
+
+
 def test_stage_cost_is_its_layers_plus_the_reshards_between_them(traced):
     """A stage's time is its layers' ILP objectives plus, where one layer hands an
     activation on in another layout than the next takes it, that reshard (both ways)."""

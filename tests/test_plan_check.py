@@ -102,3 +102,34 @@ def test_the_smallest_pipeline_budget_named_compiles_within_it():
     (p2, _), ref = jax.jit(step)(state, batch)
     assert_tree_close(loss, ref)
     assert_tree_close(p1, p2)
+
+
+def test_rockmate_schedule_inside_a_stage_sits_between_no_remat_and_full():
+    """remat='rockmate' (the pipeline's middle option) gives every stage rockmate's schedule
+    of its layers: the compiled forwards keep fewer residuals than with no remat and more
+    than checkpointing each layer, the compiled stages need less memory than without remat,
+    the saved plan re-traces to the same schedule, and the step equals one device."""
+    from autopar.cluster import Cluster
+
+    opt = optax.sgd(0.1)
+    state, batch = init_state(opt), make_batch(jax.random.PRNGKey(2), 16)
+    step = make_step(opt, closure=True)
+    method = autopar.PipeshardParallel(num_micro_batches=4, num_stages=2, schedule="gpipe")
+    kept = lambda exe, s: sum(x.size for x in exe.abstract_stage_args(s)[1][1])
+    runs = {}
+    for mode in ("none", "rockmate", "full"):
+        plan = autopar.make_plan(step, state, batch, cluster=Cluster.from_devices(jax.devices()), method=method,
+                                 remat=mode)
+        assert all(s.remat.mode == mode for s in plan.stages)
+        runs[mode] = autopar.parallelize(step, method=method, plan=plan)._executable((state, batch), {})
+    for s in range(2):
+        assert kept(runs["full"], s) < kept(runs["rockmate"], s) < 0.9 * kept(runs["none"], s)
+    plain = check_executable(runs["none"], (state, batch))
+    for c, f in zip(check_executable(runs["rockmate"], (state, batch)), plain):
+        assert c.compiled_memory_bytes < 0.9 * f.compiled_memory_bytes
+    (p1, _), loss = runs["rockmate"](state, batch)
+    (p2, _), ref = jax.jit(step)(state, batch)
+    assert_tree_close(loss, ref)
+    assert_tree_close(p1, p2)
+    with pytest.raises(ValueError, match="single-program method"):
+        autopar.make_plan(step, state, batch, cluster="1x8:a100-80g", method=autopar.ShardParallel(), remat="rockmate")

@@ -38,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", default="auto", help="pipeshard: auto or a number")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeshard schedule")
     p.add_argument("--stages", type=int, default=None, help="pipeshard: number of stages (default: planner's choice)")
-    p.add_argument("--remat", default=None, choices=["auto", "none", "full"],
-                   help="rematerialization (default: auto for pipeshard, none otherwise)")
+    p.add_argument("--remat", default=None, choices=["auto", "none", "rockmate", "full"],
+                   help="rematerialization (default: auto for pipeshard, none otherwise; "
+                        "rockmate: pipeshard, every stage on a rockmate schedule)")
     p.add_argument("--memory-budget", default=None, help="per device, e.g. 40GB (default: device memory)")
     p.add_argument("--out", default=None, help="save the plan JSON here")
     p.add_argument("--gantt", default=None, metavar="OUT.png", help="pipeshard: draw the schedule")

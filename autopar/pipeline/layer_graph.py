@@ -179,8 +179,9 @@ def trace_layer(loss: OpGraph, spec: LayerSpec, remat: str = "none",
                 transform: Callable[[Callable], Callable] | None = None) -> LayerGraph:
     """Trace the layer's forward + backward (`jax.vjp`) into a LayerGraph.
 
-    remat: "none", or "full" (the forward under `jax.checkpoint`: only the layer's inputs
-    are kept), or the name of a `transform(forward) -> forward` (a rockmate schedule)."""
+    remat: "none", "full" (the forward under `jax.checkpoint`: only the layer's inputs
+    are kept) or "rockmate" (`rockmate_schedule`); `transform(forward) -> forward`, if
+    given with remat "none", rewrites the forward instead."""
     fwd = layer_forward(loss, spec)
     float_in = tuple(loss.vars[v].is_float for v in spec.in_acts)
     float_out = tuple(loss.vars[v].is_float for v in spec.out_acts)
@@ -191,8 +192,16 @@ def trace_layer(loss: OpGraph, spec: LayerSpec, remat: str = "none",
         vals = [env[v] if v in env else loss.literals[v] for v in spec.out_acts]
         return (tuple(x for x, f in zip(vals, float_out) if f), tuple(x for x, f in zip(vals, float_out) if not f))
 
+    sds = lambda v: loss.vars[v].abstract()
+    args = (tuple(sds(loss.invars[i]) for i in spec.param_inputs),
+            tuple(sds(loss.invars[i]) for i in spec.batch_inputs),
+            tuple(sds(v) for v, f in zip(spec.in_acts, float_in) if f),
+            tuple(sds(v) for v, f in zip(spec.in_acts, float_in) if not f),
+            tuple(sds(v) for v, f in zip(spec.out_acts, float_out) if f))
     if remat == "full":
         outputs = jax.checkpoint(outputs, prevent_cse=False)
+    elif remat == "rockmate":
+        outputs = rockmate_schedule(outputs, args[:4])
     elif transform is not None:
         outputs = transform(outputs)
 
@@ -203,16 +212,27 @@ def trace_layer(loss: OpGraph, spec: LayerSpec, remat: str = "none",
         fl, ot = iter(out_f), iter(out_o)
         return tuple(next(fl) if f else next(ot) for f in float_out), tuple(g_params), tuple(g_acts)
 
-    sds = lambda v: loss.vars[v].abstract()
-    args = (tuple(sds(loss.invars[i]) for i in spec.param_inputs),
-            tuple(sds(loss.invars[i]) for i in spec.batch_inputs),
-            tuple(sds(v) for v, f in zip(spec.in_acts, float_in) if f),
-            tuple(sds(v) for v, f in zip(spec.in_acts, float_in) if not f),
-            tuple(sds(v) for v, f in zip(spec.out_acts, float_out) if f))
     graph = trace_graph(train, *args)
     marks = [op.index for op in graph.ops if op.primitive is phase_boundary_p]
     num_forward = marks[0] + 1 if marks else len(graph.ops)   # the marker closes the forward
     return LayerGraph(spec, graph, num_forward, float_in, float_out, content_key(loss, spec, remat), remat)
+
+
+ROCKMATE_BUDGET_SHARE = 0.5   # of the way from rockmate's least temp memory to keeping everything
+
+
+def rockmate_schedule(forward: Callable, args: tuple) -> Callable:
+    """`forward` under rockmate's schedule (block ILP + sequence DP over the blocks it finds
+    in the layer) for a temp-memory budget halfway between the least any schedule reaches
+    and what keeping every activation takes: the middle of the layer's time-memory curve,
+    between no remat and "full". Deterministic, so a saved plan re-traces to the same graph."""
+    import rockmate
+
+    least = rockmate.min_budget(forward, *args, calibrate=False)
+    keep_all = rockmate.plan_remat(forward, 2 ** 62, *args, calibrate=False).predicted_temp_bytes
+    budget = int(least + ROCKMATE_BUDGET_SHARE * max(keep_all - least, 0))
+    plan = rockmate.plan_remat(forward, budget, *args, calibrate=False)
+    return rockmate.apply_plan(forward, plan, boundary_conds=False)
 
 
 def _vjp_with_aux(outputs, params, batch, acts_f, acts_o):

@@ -31,7 +31,7 @@ from autopar.pipeline.stage_dp import StageDPResult, lazy_stage_dp, stage_dp
 from autopar.pipeline.submesh import assign_devices, logical_mesh_shapes
 from autopar.pipeline.trace import StepTracer, TracedStep
 
-REMAT_OPTIONS = ("none", "full")
+REMAT_OPTIONS = ("none", "rockmate", "full")   # per stage: keep all, a rockmate schedule, checkpoint each layer
 PARAM_MODES = ("fast", "sharded")   # the layer ILP free, or with every parameter most sharded
 MAX_LAYERS = 16     # repeated blocks are grouped into at most this many layers
 
@@ -166,6 +166,13 @@ class _Candidates:
         self.solved: dict[tuple[int, int, int, int], dict[str, LayerCost]] = {}   # (m, k, p, r) -> key -> solution
         self.costs: dict[tuple, StageCost] = {}
         self._layers: dict[int, list[LayerGraph]] = {}
+        self.smaller = {(m, k): scaled_down_meshes(self.mesh(m, k), [(mm, kk, self.mesh(mm, kk)) for mm in range(M)
+                                                                     for kk in range(len(self.logical[mm]))])
+                        for m in range(M) for k in range(len(self.logical[m]))}
+        self.larger: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for big, smalls in self.smaller.items():
+            for mm, kk, _ in smalls:
+                self.larger.setdefault((mm, kk), []).append(big)
         for m in range(M):
             for k in range(len(self.logical[m])):
                 for p in range(self.P):
@@ -245,6 +252,12 @@ class _Candidates:
                 solution = hit.get(self.keys(s)[l])
                 if solution is not None:
                     bound = max(bound, solution.time_s)
+        for mm, kk, factor in self.smaller[(m, k)]:      # parallel efficiency is at most 1
+            for s in {0, r}:
+                hit = self.solved.get((mm, kk, 0, s))
+                solution = hit.get(self.keys(s)[l]) if hit else None
+                if solution is not None:
+                    bound = max(bound, solution.time_s / factor)
         return bound
 
     def price(self, i: int, j: int, m: int, k: int, p: int, r: int) -> None:
@@ -255,10 +268,17 @@ class _Candidates:
         for key, lg in zip(self.keys(r)[i:j + 1], self.layers(r)[i:j + 1]):
             if key not in done:
                 done[key] = self.planner.solver(lg, mesh, PARAM_MODES[p])
+        self._refresh(m, k, p, r)
+
+    def _refresh(self, m: int, k: int, p: int, r: int) -> None:
+        """Refill what a new solve of option (p, r) on mesh (m, k) bounds or prices."""
         for q in range(self.P):        # what was solved bounds the more constrained options
             for s in self.remats:
                 if q >= p and s >= r:
                     self._fill(m, k, q, s)
+                    if p == 0:         # ... and the same options on meshes scaled up from this one
+                        for mm, kk in self.larger.get((m, k), ()):
+                            self._fill(mm, kk, q, s)
 
     def tensors(self):
         """(time, once-per-step time, memory) [L, L, M, S, K] for the stage DP. A bound is
@@ -304,8 +324,8 @@ class PipelinePlanner:
     def __init__(self, tracer: StepTracer, method: PipeshardParallel, cluster: Cluster,
                  memory_limit_bytes: float, time_limit_s: float = 30.0, remat: str = "auto"):
         self.tracer, self.method, self.cluster = tracer, method, cluster
-        if remat not in ("auto", "none", "full"):
-            raise ValueError(f"remat={remat!r}; use 'auto', 'none' or 'full'")
+        if remat not in ("auto", *REMAT_OPTIONS):
+            raise ValueError(f"remat={remat!r}; use 'auto', 'none', 'rockmate' or 'full'")
         self.remat_options = REMAT_OPTIONS if remat == "auto" else (remat,)
         self.memory_limit_bytes = memory_limit_bytes
         self.solver = LayerSolver(time_limit_s=time_limit_s, solver=method.solver)
@@ -554,6 +574,35 @@ class PipelinePlanner:
                 REMAT_OPTIONS[r], in_flight(self.method.schedule, S - n, cand.traced.num_micro_batches),
                 PARAM_MODES[p]))
         return tuple(out)
+
+
+def scaled_down_meshes(mesh: LogicalMesh, others: Sequence[tuple[int, int, LogicalMesh]]
+                       ) -> list[tuple[int, int, int]]:
+    """The meshes among `others` (index pairs with their mesh) that are `mesh` with one axis
+    divided by an integer factor f >= 2 and links no slower: any layouts on `mesh` run on
+    such a mesh with every compute, memory and collective time at most f times larger
+    (the pieces are at most f times bigger, a ring over fewer devices moves no more per
+    byte), so a layer's ILP objective on `mesh` is at least 1/f of its objective there.
+    Returns (index, index, f)."""
+    out = []
+    a, b = mesh.shape
+    for mm, kk, o in others:
+        x, y = o.shape
+        if o.device != mesh.device or (x, y) == (a, b):
+            continue
+        for axis, (big, small, keep_big, keep_small) in enumerate(((a, x, b, y), (b, y, a, x))):
+            other = 1 - axis
+            if keep_big != keep_small or big % small:
+                continue
+            if keep_small > 1 and (o.alpha_s[other] > mesh.alpha_s[other]
+                                   or o.beta_s_per_byte[other] > mesh.beta_s_per_byte[other]):
+                continue
+            if small > 1 and (o.alpha_s[axis] > mesh.alpha_s[axis]
+                              or o.beta_s_per_byte[axis] > mesh.beta_s_per_byte[axis]):
+                continue
+            out.append((mm, kk, big // small))
+            break
+    return out
 
 
 def _restrict_to_given(cand: _Candidates, time_s: np.ndarray) -> np.ndarray:
