@@ -9,6 +9,7 @@ cost model: its stages' costs come from the same layer ILPs on the grid point's 
 1F1B latency and memory model.
 
 Run: .venv/bin/python benchmarks/pipeline.py [--family gpt|moe|wresnet|all] [--only NAME] [--no-grid]
+     [--micro-batches auto|N]
 Prints a table and writes benchmarks/results/pipeline_<time>.json.
 """
 from __future__ import annotations
@@ -99,11 +100,11 @@ def grid_best(planner, B_values, limit):
     return point, value, len(points), len(priced)
 
 
-def run_case(case, grid: bool) -> dict:
+def run_case(case, grid: bool, micro_batches="auto") -> dict:
     cfg, N = case.model, case.devices
     step, state, batch = SETUPS[type(cfg)](cfg)
     cluster = cluster_for(N)
-    method = PipeshardParallel(num_micro_batches="auto")
+    method = PipeshardParallel(num_micro_batches=micro_batches)
     request = PlanRequest(fun=step, args=(state, batch), kwargs={}, cluster=cluster,
                           signature=signature_of((state, batch), {}), remat="auto")
     t0 = time.perf_counter()
@@ -115,7 +116,7 @@ def run_case(case, grid: bool) -> dict:
     planning_s = time.perf_counter() - t0
     flops = cfg.train_flops
     row = {
-        "model": case.name, "devices": N, "planning_s": planning_s, "predicted_step_s": plan.predicted_time_s,
+        "model": case.name, "devices": N, "micro_batches_asked": micro_batches, "planning_s": planning_s, "predicted_step_s": plan.predicted_time_s,
         "tflops_per_device": flops / plan.predicted_time_s / N / 1e12,
         "plan": {"num_micro_batches": plan.num_micro_batches, "layers": plan.pipeline.num_layers,
                  "stages": [{"layers": list(s.layer_range), "submesh": list(s.submesh), "mesh": list(s.mesh_shape),
@@ -148,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--family", default="gpt", choices=[*SUITES, "all"])
     ap.add_argument("--only", default=None, help="configs by name, comma-separated, e.g. GPT-350M,GPT-39B")
     ap.add_argument("--no-grid", action="store_true")
+    ap.add_argument("--micro-batches", default="auto",
+                    help="auto (the planner chooses), or a number fixed as Alpa's users do")
     args = ap.parse_args(argv)
     families = list(SUITES) if args.family == "all" else [args.family]
     only = {n.strip().lower() for n in args.only.split(",")} if args.only else None
@@ -159,7 +162,8 @@ def main(argv=None) -> int:
         for case in SUITES[fam]:
             if only and case.name.lower() not in only:
                 continue
-            row = run_case(case, grid=not args.no_grid)
+            B = args.micro_batches if args.micro_batches == "auto" else int(args.micro_batches)
+            row = run_case(case, grid=not args.no_grid, micro_batches=B)
             rows.append(row)
             with open(path + ".tmp", "w") as f:      # after every config: a killed run keeps what it measured
                 json.dump(rows, f, indent=1, default=str)
