@@ -162,16 +162,45 @@ def test_layer_train_graph_equals_jax_vjp(traced):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_roofline_bound_is_below_the_ilp_on_every_mesh(traced):
+@pytest.fixture(scope="module")
+def layer_solver():
+    """One solver for the bound tests: they check the same solutions (solves are cached)."""
+    return LayerSolver()
+
+
+def test_roofline_bound_is_below_the_ilp_on_every_mesh(traced, layer_solver):
     t, _, _ = traced
     layers = cut_layers(t.loss, repeat_cuts(t.loss), t.diff_mask)
     cluster = Cluster.parse("2x4:a100-80g")
-    solver = LayerSolver()
+    solver = layer_solver
     for spec in (layers[0], layers[1], layers[-1]):
-        lg = trace_layer(t.loss, spec)
-        for shape in [(1, 1), (1, 4), (2, 2), (2, 4), (8, 1)]:
-            mesh = cluster.logical_mesh(shape)
-            assert solver.lower_bound(lg, mesh) <= solver(lg, mesh).time_s * (1 + 1e-9)
+        for remat in ("none", "rockmate", "full"):      # a remat option's bound counts its recomputation
+            lg = trace_layer(t.loss, spec, remat)
+            for shape in [(1, 1), (1, 4), (2, 2), (2, 4), (8, 1)]:
+                mesh = cluster.logical_mesh(shape)
+                assert solver.lower_bound(lg, mesh) <= solver(lg, mesh).time_s * (1 + 1e-9)
+
+
+def test_unsharded_working_memory_over_the_devices_bounds_every_layout(traced, layer_solver):
+    """The planner's memory bound for an unpriced candidate: a layer's working memory at
+    unsharded sizes over n is at most the working memory of the ILP's layouts on any mesh
+    of n devices, for every remat option's train graph."""
+    from autopar.pipeline.layer_cost import global_working_bytes
+
+    t, _, _ = traced
+    layers = cut_layers(t.loss, repeat_cuts(t.loss), t.diff_mask)
+    cluster = Cluster.parse("2x4:a100-80g")
+    solver = layer_solver
+    for remat in ("none", "rockmate", "full"):
+        for spec in (layers[0], layers[1], layers[-1]):
+            lg = trace_layer(t.loss, spec, remat)
+            bound = global_working_bytes(lg)
+            for shape in [(1, 1), (1, 4), (2, 2), (2, 4), (8, 1)]:
+                mesh = cluster.logical_mesh(shape)
+                c = solver(lg, mesh)
+                assert bound / mesh.num_devices <= max(c.forward_peak_bytes, c.backward_peak_bytes) * (1 + 1e-9)
+                residual = sum(lg.graph.vars[v].nbytes for v in lg.residuals)
+                assert residual / mesh.num_devices <= c.residual_bytes * (1 + 1e-9)
 
 
 def test_a_layer_on_a_mesh_costs_at_least_its_cost_on_a_scaled_down_mesh_over_the_factor(traced):

@@ -151,6 +151,21 @@ def layer_cost(lg: LayerGraph, mesh: LogicalMesh, plan: ShardingPlan) -> LayerCo
                      fwd_peak, bwd_peak)
 
 
+def global_working_bytes(lg: LayerGraph) -> float:
+    """The layer's working memory (the larger of its forward's and backward's, counted as
+    `layer_cost` does) at unsharded sizes: over a mesh of n devices, at least this / n is
+    live on some device whatever the layouts."""
+    g = lg.graph
+    residual = set(lg.residuals)
+    keep = materialized(g, residual)
+    outs = set(g.outvars)
+    nf = lg.num_forward_ops
+    size = lambda v: g.vars[v].nbytes
+    fwd = liveness_peak(g, range(nf), size, live_out=residual | outs, count=lambda v: v in keep and v not in residual)
+    bwd = liveness_peak(g, range(nf, len(g.ops)), size, live_out=outs, count=lambda v: v in keep)
+    return float(max(fwd, bwd))
+
+
 def _op_time(plan: ShardingPlan, index: int) -> float:
     return plan.op_time_s.get(index, 0.0)
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from autopar.cluster import Cluster, LogicalMesh
-from autopar.pipeline.layer_cost import LayerCost, LayerSolver
+from autopar.pipeline.layer_cost import LayerCost, LayerSolver, global_working_bytes
 from autopar.pipeline.layer_graph import LayerGraph, content_key, trace_layer
 from autopar.pipeline.layers import LayerSpec, clustered_cuts, cut_layers, marker_cuts, repeat_cuts
 from autopar.pipeline.method import PipeshardParallel
@@ -166,6 +166,7 @@ class _Candidates:
         self.solved: dict[tuple[int, int, int, int], dict[str, LayerCost]] = {}   # (m, k, p, r) -> key -> solution
         self.costs: dict[tuple, StageCost] = {}
         self._layers: dict[int, list[LayerGraph]] = {}
+        self._working: dict[int, list[float]] = {}
         self.smaller = {(m, k): scaled_down_meshes(self.mesh(m, k), [(mm, kk, self.mesh(mm, kk)) for mm in range(M)
                                                                      for kk in range(len(self.logical[mm]))])
                         for m in range(M) for k in range(len(self.logical[m]))}
@@ -210,10 +211,11 @@ class _Candidates:
         keys = self.keys(r) if done else [None] * L
         per_time = np.array([done[key].time_s if key in done else self._layer_bound(m, k, p, r, l)
                              for l, key in enumerate(keys)])
-        per_act = np.array([done[key].residual_bytes if key in done else (b / n if r == 0 else 0.0)
-                            for key, b in zip(keys, self.bounds.residual_bytes)])
+        residual = self._residual_bytes(r)
+        per_act = np.array([done[key].residual_bytes if key in done else b / n for key, b in zip(keys, residual)])
         per_weight = np.array(self.bounds.param_bytes) * (2 + self.planner.state_factor) / n
         c_time, c_act, c_w = (np.concatenate([[0.0], np.cumsum(x)]) for x in (per_time, per_act, per_weight))
+        per_working = np.array(self._working_bytes(r)) / n
         send = self.planner.send_s_per_byte(self.shapes[m])
         o = self.index(k, p, r)
         for i in range(L):
@@ -234,9 +236,25 @@ class _Candidates:
                     free = self.costs.get((i, j, m, k, 0, 0)) if (p, r) != (0, 0) else None
                     values = (max(c_time[j + 1] - c_time[i], free.micro_batch_s if free else 0.0),
                               free.iteration_s if free else 0.0, c_w[j + 1] - c_w[i], c_act[j + 1] - c_act[i],
-                              0.0, 0.0)
+                              float(per_working[i:j + 1].max()), 0.0)
                 (self.time[i, j, m, 0, o], self.iteration[i, j, m, 0, o], self.weight[i, j, m, 0, o],
                  self.act[i, j, m, 0, o], self.working[i, j, m, 0, o], self.update[i, j, m, 0, o]) = values
+
+    def _residual_bytes(self, r: int) -> list[float]:
+        """Per layer, the global bytes of what its forward keeps with remat option r (spread
+        over the mesh, a lower bound of what a device keeps): known for the plain option
+        from the bounds, for a remat option once its layers are traced, else 0."""
+        if r in self._layers:
+            return [float(sum(lg.graph.vars[v].nbytes for v in lg.residuals)) for lg in self._layers[r]]
+        return list(self.bounds.residual_bytes) if r == 0 else [0.0] * (len(self.cuts) - 1)
+
+    def _working_bytes(self, r: int) -> list[float]:
+        """Per layer, its working memory at unsharded sizes once traced with option r, else 0."""
+        if r not in self._layers:
+            return [0.0] * (len(self.cuts) - 1)
+        if r not in self._working:
+            self._working[r] = [global_working_bytes(lg) for lg in self._layers[r]]
+        return self._working[r]
 
     def _layer_bound(self, m: int, k: int, p: int, r: int, l: int) -> float:
         """A lower bound of layer l's ILP objective in an option: its roofline, or what a
@@ -246,6 +264,8 @@ class _Candidates:
         memory: the DP prices them only where the plain option does not fit or they
         could still be faster.)"""
         bound = self.bounds.device_s[l] / self.mesh(m, k).num_devices
+        if r != 0 and r in self._layers:      # the recomputation's FLOPs count too
+            bound = max(bound, self.planner.solver.lower_bound(self._layers[r][l], self.mesh(m, k)))
         for q, s in ((0, r), (p, 0), (0, 0)):
             hit = self.solved.get((m, k, q, s)) if (q, s) != (p, r) and q <= p and s <= r else None
             if hit:
@@ -269,6 +289,20 @@ class _Candidates:
             if key not in done:
                 done[key] = self.planner.solver(lg, mesh, PARAM_MODES[p])
         self._refresh(m, k, p, r)
+
+    def trace_option(self, r: int) -> bool:
+        """Trace the layers with remat option r if not yet done, and tighten the bounds of
+        every candidate with that option by what the traced layers keep, hold while they
+        run and recompute. True if it traced (the lazy DP then re-solves before pricing:
+        the tighter bounds may rule the candidate out without an ILP)."""
+        if r in self._layers:
+            return False
+        self.layers(r)
+        for m in range(len(self.shapes)):
+            for k in range(len(self.logical[m])):
+                for q in range(self.P):
+                    self._fill(m, k, q, r)
+        return True
 
     def _refresh(self, m: int, k: int, p: int, r: int) -> None:
         """Refill what a new solve of option (p, r) on mesh (m, k) bounds or prices."""
@@ -452,7 +486,9 @@ class PipelinePlanner:
             return cand.is_exact(st.start, st.end - 1, st.submesh, *cand.option(st.option))
 
         def price(st, _s):
-            cand.price(st.start, st.end - 1, st.submesh, *cand.option(st.option))
+            k, p, r = cand.option(st.option)
+            if not cand.trace_option(r):
+                cand.price(st.start, st.end - 1, st.submesh, k, p, r)
 
         def priced():
             return np.tile(cand.priced, (1, 1, 1, cand.S, 1))
