@@ -10,7 +10,7 @@ output is charged its reshard from the layout the next layer returns it in.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from autopar.cluster import LogicalMesh
 from autopar.intra_op import IDENTITY_PRIMITIVES, MemoryBudgetError, ShardingPlan, live_ops, plan_sharding
@@ -129,41 +129,41 @@ def layer_cost(lg: LayerGraph, mesh: LogicalMesh, plan: ShardingPlan) -> LayerCo
     """Per-device costs of a layer under given layouts."""
     g, ms, specs = lg.graph, mesh.shape, plan.var_specs
     size = lambda v: per_device_bytes(lg, specs, ms, v)
-    residual = set(lg.residuals)
-    keep = materialized(g, residual)
-    outs = set(g.outvars)
-    nf = lg.num_forward_ops
-    # the forward's residuals leave it (counted per micro-batch in flight); its activation
-    # outputs and the backward's gradients are working memory until the next layer takes
-    # them or they are added into the accumulators
     # an operand read in another layout than it lives in is copied for its reader (e.g. a
     # sharded parameter gathered whole): that copy is alive while the reader runs
     copies: dict[int, float] = {}
     for op, v, spec in plan.resharded:
         copies[op] = copies.get(op, 0.0) + g.vars[v].nbytes / shard_factor(spec, ms)
-    fwd_peak = liveness_peak(g, range(nf), size, live_out=residual | outs,
-                             count=lambda v: v in keep and v not in residual, transient=copies)
-    bwd_peak = liveness_peak(g, range(nf, len(g.ops)), size, live_out=outs, count=lambda v: v in keep,
-                             transient=copies)
-    fwd_s = sum(_op_time(plan, i) for i in range(nf))
+    fwd_peak, bwd_peak = working_peaks(lg, size, copies)
+    fwd_s = sum(_op_time(plan, i) for i in range(lg.num_forward_ops))
     return LayerCost(ms, plan, plan.objective_s, min(fwd_s, plan.objective_s),
-                     sum(size(v) for v in residual), tuple(size(v) for v in lg.param_vars),
+                     sum(size(v) for v in lg.residuals), tuple(size(v) for v in lg.param_vars),
                      fwd_peak, bwd_peak)
 
 
-def global_working_bytes(lg: LayerGraph) -> float:
-    """The layer's working memory (the larger of its forward's and backward's, counted as
-    `layer_cost` does) at unsharded sizes: over a mesh of n devices, at least this / n is
-    live on some device whatever the layouts."""
+def working_peaks(lg: LayerGraph, size: Callable[[int], float],
+                  transient: dict[int, float] | None = None) -> tuple[float, float]:
+    """Peak working memory of the layer's forward and of its backward, values sized by
+    `size`. The forward's residuals leave it (counted per micro-batch in flight); its
+    activation outputs and the backward's gradients are working memory until the next
+    layer takes them or they are added into the accumulators. `transient`: extra bytes
+    alive while an op runs."""
     g = lg.graph
     residual = set(lg.residuals)
     keep = materialized(g, residual)
     outs = set(g.outvars)
     nf = lg.num_forward_ops
-    size = lambda v: g.vars[v].nbytes
-    fwd = liveness_peak(g, range(nf), size, live_out=residual | outs, count=lambda v: v in keep and v not in residual)
-    bwd = liveness_peak(g, range(nf, len(g.ops)), size, live_out=outs, count=lambda v: v in keep)
-    return float(max(fwd, bwd))
+    fwd = liveness_peak(g, range(nf), size, live_out=residual | outs,
+                        count=lambda v: v in keep and v not in residual, transient=transient)
+    bwd = liveness_peak(g, range(nf, len(g.ops)), size, live_out=outs, count=lambda v: v in keep,
+                        transient=transient)
+    return fwd, bwd
+
+
+def global_working_bytes(lg: LayerGraph) -> float:
+    """The layer's working memory (the larger of `working_peaks`) at unsharded sizes: over
+    a mesh of n devices, at least this / n is live on some device whatever the layouts."""
+    return float(max(working_peaks(lg, lambda v: lg.graph.vars[v].nbytes)))
 
 
 def _op_time(plan: ShardingPlan, index: int) -> float:

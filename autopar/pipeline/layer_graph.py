@@ -103,6 +103,11 @@ class LayerGraph:
         return tuple(out)
 
     @cached_property
+    def residual_nbytes(self) -> float:
+        """Unsharded bytes of the residuals (what one micro-batch in flight keeps)."""
+        return float(sum(self.graph.vars[v].nbytes for v in self.residuals))
+
+    @cached_property
     def backward_reads_params(self) -> tuple[int, ...]:
         """Param vars the backward reads (the backward program gets them as inputs)."""
         read = {v for op in self.graph.ops[self.num_forward_ops:] for v in op.inputs}

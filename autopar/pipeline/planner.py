@@ -245,7 +245,7 @@ class _Candidates:
         over the mesh, a lower bound of what a device keeps): known for the plain option
         from the bounds, for a remat option once its layers are traced, else 0."""
         if r in self._layers:
-            return [float(sum(lg.graph.vars[v].nbytes for v in lg.residuals)) for lg in self._layers[r]]
+            return [lg.residual_nbytes for lg in self._layers[r]]
         return list(self.bounds.residual_bytes) if r == 0 else [0.0] * (len(self.cuts) - 1)
 
     def _working_bytes(self, r: int) -> list[float]:
@@ -402,7 +402,7 @@ class PipelinePlanner:
         if B in refs or len(refs) < 2 or B in self.tracer.traced_counts:
             lgs = self.layer_graphs(self.tracer.at(B), self.cut_options()[c])
             terms = [op_roofline_terms(lg, device) for lg in lgs]
-            residual = [float(sum(lg.graph.vars[v].nbytes for v in lg.residuals)) for lg in lgs]
+            residual = [lg.residual_nbytes for lg in lgs]
             params = [float(sum(lg.graph.vars[v].nbytes for v in lg.param_vars)) for lg in lgs]
             out = LayerBounds(tuple(float(np.sum(np.maximum(f / pk, b / device.memory_bandwidth_Bps)))
                                     for f, b, pk in terms), tuple(residual), tuple(params))
