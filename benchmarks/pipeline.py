@@ -116,7 +116,8 @@ def run_case(case, grid: bool, micro_batches="auto") -> dict:
     planning_s = time.perf_counter() - t0
     flops = cfg.train_flops
     row = {
-        "model": case.name, "devices": N, "micro_batches_asked": micro_batches, "planning_s": planning_s, "predicted_step_s": plan.predicted_time_s,
+        "model": case.name, "devices": N, "micro_batches_asked": micro_batches, "planning_s": planning_s,
+        "predicted_step_s": plan.predicted_time_s,
         "tflops_per_device": flops / plan.predicted_time_s / N / 1e12,
         "plan": {"num_micro_batches": plan.num_micro_batches, "layers": plan.pipeline.num_layers,
                  "stages": [{"layers": list(s.layer_range), "submesh": list(s.submesh), "mesh": list(s.mesh_shape),
