@@ -127,6 +127,38 @@ def test_layers_follow_the_repeated_blocks(traced):
     assert sum(len(l.param_inputs) for l in layers) >= sum(t.diff_mask)   # the tied embedding: read twice
 
 
+def test_blocks_named_as_flax_names_them_share_one_key():
+    """Blocks in a dict keyed "h_0" .. "h_10" (flax's naming) reach the loss's inputs in
+    pytree order ("h_10" before "h_2"), so the blocks' parameters interleave differently;
+    every block still lists its inputs alike and gets the one content key (one ILP per
+    mesh for all of them)."""
+    from autopar.pipeline.grad import value_and_grad
+    from pipeline_gpt import _block, init_params
+
+    n = 12
+    blocks = init_params(jax.random.PRNGKey(0), layers=n)["blocks"]
+    params = {"blocks": {f"h_{i}": p for i, p in enumerate(blocks)}}
+
+    def loss(params, x):
+        for i in range(n):
+            x = _block(params["blocks"][f"h_{i}"], x)
+        return (x ** 2).mean()
+
+    def step(params, x):
+        value, grads = value_and_grad(loss)(params, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    t = StepTracer(step, (params, jnp.ones((2, 8, 32)))).at(1)
+    blocks_at = repeat_cuts(t.loss)
+    assert len(blocks_at) == n + 2          # [0, 1): the loss's first op; then one layer per block
+    # h_0, layers of two blocks (h_1, h_2) .. (h_9, h_10) as the planner's clustering may cut, h_11
+    cuts = [0, *blocks_at[2:-1:2], blocks_at[-1]]
+    pairs = [s for s in cut_layers(t.loss, cuts, t.diff_mask) if len(s.param_inputs) == 12]
+    assert len(pairs) == 5
+    assert [k for k, _ in jax.tree_util.tree_flatten_with_path(params["blocks"])[0][::6]][2][0].key == "h_10"
+    assert len({trace_layer(t.loss, s).key for s in pairs}) == 1
+
+
 def test_layer_train_graph_equals_jax_vjp(traced):
     """The layer's forward ops, then its backward ops on the residuals alone, give jax.vjp's
     outputs and gradients."""

@@ -20,7 +20,9 @@ class LayerSpec:
     """Layer `index` of a loss graph: ops [start, end) plus the constant ops they need.
 
     `param_inputs`/`batch_inputs` are positions in the loss's inputs (differentiated or
-    not); `in_acts` are loss-graph vars produced by earlier layers, `out_acts` vars read by
+    not) in order of first use, so that layers with the same ops list their inputs alike
+    whatever the order of the loss's inputs (pytree order puts "h_10" before "h_9");
+    `in_acts` are loss-graph vars produced by earlier layers, `out_acts` vars read by
     later layers (for the last layer: the loss)."""
 
     index: int
@@ -135,12 +137,12 @@ def cut_layers(graph: OpGraph, cuts: Sequence[int], diff_mask: Sequence[bool]) -
     specs = []
     out_acts: list[list[int]] = [[] for _ in cuts[1:]]
     in_acts: list[list[int]] = [[] for _ in cuts[1:]]
-    inputs: list[set[int]] = [set() for _ in cuts[1:]]
+    inputs: list[dict[int, None]] = [{} for _ in cuts[1:]]     # in order of first use
     const_ops: list[set[int]] = [set() for _ in cuts[1:]]
     for l, read in enumerate(reads):
         for v in dict.fromkeys(read):
             if v in position:
-                inputs[l].add(position[v])
+                inputs[l].setdefault(position[v])
             elif v in const and layer_of[producer[v]] != l:
                 const_ops[l] |= _producers_of(graph, v, producer, const)
             elif v in producer and layer_of[producer[v]] < l:
@@ -153,8 +155,8 @@ def cut_layers(graph: OpGraph, cuts: Sequence[int], diff_mask: Sequence[bool]) -
         own = [i for i in sorted(const_ops[l]) if not a <= i < b]
         specs.append(LayerSpec(
             index=l, start=a, end=b, ops=tuple(own) + tuple(range(a, b)),
-            param_inputs=tuple(sorted(i for i in inputs[l] if diff_mask[i])),
-            batch_inputs=tuple(sorted(i for i in inputs[l] if not diff_mask[i])),
+            param_inputs=tuple(i for i in inputs[l] if diff_mask[i]),
+            batch_inputs=tuple(i for i in inputs[l] if not diff_mask[i]),
             in_acts=tuple(in_acts[l]), out_acts=tuple([loss] if l == len(cuts) - 2 else out_acts[l])))
     return tuple(specs)
 
