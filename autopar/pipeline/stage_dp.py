@@ -158,9 +158,8 @@ def _pareto_options(time_ok: np.ndarray, total_ok: np.ndarray) -> tuple[np.ndarr
     shape = tot.shape[:4] + (width + 1,)
     out_t, out_tot = np.full(shape, np.inf), np.full(shape, np.inf)
     out_o = np.zeros(shape, dtype=np.int64)
-    idx = np.indices(tot.shape)
-    where = (*idx[:4], slot)
-    out_t[where], out_tot[where], out_o[where] = t, tot, order
+    for out, values in ((out_t, t), (out_tot, tot), (out_o, order)):
+        np.put_along_axis(out, slot, values, axis=4)     # dropped options all land in the last slot
     return out_t[..., :width], out_tot[..., :width], out_o[..., :width]
 
 
