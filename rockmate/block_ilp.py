@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pulp
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
 
 from .block_graph import BlockGraph
 
@@ -82,8 +84,8 @@ def solve_block(g: BlockGraph, peak_limit_bytes: float | None,
     """
     n = len(g.sizes_bytes)
     prob = pulp.LpProblem("rockmate_block", pulp.LpMinimize)
-    keep = {i: pulp.LpVariable(f"k{i}", cat="Binary") for i in g.keepable}
-    rec = {i: pulp.LpVariable(f"r{i}", cat="Binary") for i in range(n)}
+    keep = {i: prob.add_variable(f"k{i}", cat=pulp.LpBinary) for i in g.keepable}
+    rec = {i: prob.add_variable(f"r{i}", cat=pulp.LpBinary) for i in range(n)}
     k = lambda i: keep.get(i, 0)  # noqa: E731
     for i in g.residuals:
         prob += k(i) + rec[i] >= 1
@@ -117,23 +119,17 @@ def solve_block(g: BlockGraph, peak_limit_bytes: float | None,
 def solve_binary(prob: "pulp.LpProblem", time_limit_s: float) -> bool:
     """Solve a PuLP model over binary variables; True (values set on the variables) if optimal.
 
-    In-process HiGHS (scipy.optimize.milp) when scipy is there: a block's ILP has a few
-    hundred binaries and solves in milliseconds, where starting CBC as a subprocess costs
-    about 0.25 s per solve. CBC (PuLP's default) otherwise.
+    PuLP only builds the model; it is solved in-process by HiGHS (scipy.optimize.milp): a
+    block's ILP has a few hundred binaries and solves in milliseconds, where starting CBC as
+    a subprocess costs about 0.25 s per solve.
     """
-    try:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_matrix
-    except ImportError:
-        status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
-        return pulp.LpStatus[status] == "Optimal"
     variables = prob.variables()
     col = {v.name: j for j, v in enumerate(variables)}
     c = np.zeros(len(variables))
     for v, a in prob.objective.items():
         c[col[v.name]] = a
     rows, cols, vals, lb, ub = [], [], [], [], []
-    for r, con in enumerate(prob.constraints.values()):
+    for r, con in enumerate(prob.constraints()):
         for v, a in con.items():
             rows.append(r)
             cols.append(col[v.name])
