@@ -20,9 +20,9 @@ from autopar.cluster import LogicalMesh
 from rockmate.graph.op_graph import Op, OpGraph, TensorSpec
 from rockmate.graph.fusion import materialized
 from rockmate.repeats import representatives, tandem_repeats
-from autopar.resharding import reshard_cost
 from autopar.sharding_spec import Collective, DimSharding, Strategy, all_layouts, replicated, shard_factor
-from autopar.strategies import enumerate_strategies, is_follower
+from autopar.sharding_costs import ShardingCosts
+from autopar.strategies import is_follower
 from autopar.strategies.elementwise import ELEMENTWISE_PRIMITIVES
 
 NUM_MEMORY_CHECKPOINTS = 6
@@ -90,32 +90,24 @@ class _Group:
     ops: list[int] = field(default_factory=list)
 
 
-_RESHARD_CACHE: dict = {}
+class _Reshard:
+    """Reshard costs on one mesh, from the planning run's memo."""
 
-
-class _ReshardCache:
-    """reshard_cost memoised across plans (costs depend only on the mesh's numbers)."""
-
-    def __init__(self, mesh: LogicalMesh):
-        self.mesh = mesh
-        self.mesh_key = (mesh.shape, tuple(mesh.alpha_s), tuple(mesh.beta_s_per_byte))
+    def __init__(self, mesh: LogicalMesh, costs: ShardingCosts):
+        self.mesh, self.costs = mesh, costs
 
     def __call__(self, src: DimSharding, dst: DimSharding, spec: TensorSpec) -> tuple[float, tuple[Collective, ...]]:
-        if src == dst:
-            return 0.0, ()
-        key = (self.mesh_key, src, dst, spec.shape, spec.dtype)
-        hit = _RESHARD_CACHE.get(key)
-        if hit is None:
-            hit = _RESHARD_CACHE[key] = reshard_cost(src, dst, spec, self.mesh)
-        return hit
+        return self.costs.reshard(src, dst, spec, self.mesh)
 
 
-def _scan_strategies(op: Op, mesh: LogicalMesh, time_limit_s: float, solver: str) -> list[Strategy]:
+def _scan_strategies(op: Op, mesh: LogicalMesh, time_limit_s: float, solver: str, costs: ShardingCosts
+                     ) -> list[Strategy]:
     """A scan keeps one body plan (solved once, carry layouts tied) plus the replicated fallback."""
     body = op.body
     nc, nk = op.params["num_consts"], op.params["num_carry"]
     n = op.trip_count
-    sub = plan_sharding(body, mesh, tie_outputs={i: nc + i for i in range(nk)}, time_limit_s=time_limit_s, solver=solver)
+    sub = plan_sharding(body, mesh, tie_outputs={i: nc + i for i in range(nk)}, time_limit_s=time_limit_s, solver=solver,
+                        costs=costs)
     ins = [sub.var_specs[v] for v in body.invars]
     in_specs = tuple(s if i < nc + nk else ((),) + s for i, s in enumerate(ins))
     outs = [sub.out_specs[i] if i < nk else ((),) + sub.out_specs[i] for i in range(len(body.outvars))]
@@ -127,13 +119,13 @@ def _scan_strategies(op: Op, mesh: LogicalMesh, time_limit_s: float, solver: str
 
 
 def _strategies(op: Op, graph: OpGraph, mesh: LogicalMesh, time_limit_s: float, solver: str,
-                kept: set[int]) -> list[Strategy]:
+                kept: set[int], costs: ShardingCosts) -> list[Strategy]:
     """The op's strategies, with memory time counting only the operands and results XLA
     keeps in memory (`kept`): an elementwise op fused into its neighbours reads and writes
     registers, not memory."""
     if op.name == "scan" and op.body is not None:
-        return _scan_strategies(op, mesh, time_limit_s, solver)
-    strats = enumerate_strategies(op, graph, mesh)
+        return _scan_strategies(op, mesh, time_limit_s, solver, costs)
+    strats = costs.strategies(op, graph, mesh)
     counted = tuple(v in kept for v in op.inputs) + tuple(v in kept for v in op.outputs)
     if all(counted):
         return strats
@@ -169,7 +161,7 @@ def _main_input(op: Op, graph: OpGraph) -> int | None:
 
 
 def _build_groups(graph: OpGraph, mesh: LogicalMesh, fixed: dict[int, DimSharding], allowed: dict[int, list[DimSharding]],
-                  reshard: _ReshardCache, time_limit_s: float, solver: str) -> tuple[list[_Group], dict[int, int]]:
+                  reshard: _Reshard, time_limit_s: float, solver: str) -> tuple[list[_Group], dict[int, int]]:
     kept = materialized(graph)
     groups: list[_Group] = []
     group_of: dict[int, int] = {}
@@ -192,7 +184,7 @@ def _build_groups(graph: OpGraph, mesh: LogicalMesh, fixed: dict[int, DimShardin
                     ch.out[w] = ch.out[v]
                 group_of[w] = gid
             continue
-        strats = _strategies(op, graph, mesh, time_limit_s, solver, kept)
+        strats = _strategies(op, graph, mesh, time_limit_s, solver, kept, reshard.costs)
         if not strats:
             raise RuntimeError(f"no sharding strategy for op {op.index} ({op.name}) at {op.source}")
         live_inputs = [(i, v) for i, v in enumerate(op.inputs) if v not in graph.literals]
@@ -209,7 +201,7 @@ def _build_groups(graph: OpGraph, mesh: LogicalMesh, fixed: dict[int, DimShardin
 
 
 def _try_merge(op: Op, graph: OpGraph, strats: list[Strategy], groups: list[_Group], group_of: dict[int, int],
-               reshard: _ReshardCache) -> bool:
+               reshard: _Reshard) -> bool:
     pos = _main_input(op, graph)
     if pos is None:
         return False
@@ -251,7 +243,7 @@ def _keys(layouts: list[DimSharding]) -> tuple[np.ndarray, list[DimSharding]]:
     return keys, list(distinct)
 
 
-def _edges(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], reshard: _ReshardCache,
+def _edges(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], reshard: _Reshard,
            tie_outputs: dict[int, int], tie_vars: Sequence[tuple[int, int]] = ()
            ) -> list[tuple[ilp.Edge, int, list[DimSharding], list[DimSharding]]]:
     """Edges with the var they carry and the distinct layouts at each end. A tie (v, w)
@@ -342,7 +334,7 @@ class BuiltProblem:
     groups: list[_Group]
     group_of: dict[int, int]
     edges: list
-    reshard: _ReshardCache
+    reshard: _Reshard
     arg_rows: list
 
 
@@ -351,12 +343,15 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
                   allowed_specs: dict[int, list[DimSharding]] | None = None,
                   tie_outputs: dict[int, int] | None = None, time_limit_s: float = 30.0,
                   solver: str = "highs", tie_layers: bool = True, memory_scope: str = "peak",
-                  tie_vars: Sequence[tuple[int, int]] = ()) -> BuiltProblem:
-    reshard = _ReshardCache(mesh)
+                  tie_vars: Sequence[tuple[int, int]] = (), costs: ShardingCosts | None = None) -> BuiltProblem:
+    """The intra-op ILP of `graph` on `mesh` (see `plan_sharding`); `costs` memoises
+    strategies and reshard costs across calls of one planning run (a fresh memo if None)."""
+    costs = costs or ShardingCosts()
+    reshard = _Reshard(mesh, costs)
     groups, group_of = _build_groups(graph, mesh, fixed_specs or {}, allowed_specs or {}, reshard, time_limit_s, solver)
     edges = _edges(graph, groups, group_of, reshard, tie_outputs or {}, tie_vars)
     peak_rows, arg_rows = _memory_rows(graph, groups, group_of, mesh)
-    tie = _layer_ties(graph, groups, group_of) if tie_layers else None
+    tie = _layer_ties(graph, groups, group_of, costs) if tie_layers else None
     rows = peak_rows if memory_scope == "peak" else arg_rows   # "arguments": activations budgeted elsewhere (remat)
     problem = ilp.AssignmentProblem([np.array([c.cost_s for c in g.choices]) for g in groups],
                                     [e for e, *_ in edges], rows, memory_budget_bytes, tie)
@@ -373,23 +368,18 @@ def op_signature(op: Op, graph: OpGraph) -> tuple:
     return (op.name, ins, outs, tuple(sorted((k, simple(v)) for k, v in op.params.items())))
 
 
-_REPEATS: dict = {}
-
-
-def _repeats_of(graph: OpGraph) -> tuple[list, list[int]]:
+def _repeats_of(graph: OpGraph, costs: ShardingCosts) -> tuple[list, list[int]]:
     """Op signatures and layer representatives, computed once per graph (meshes share them)."""
-    hit = _REPEATS.get(id(graph))
-    if hit is None or hit[0] is not graph:
+    def compute():
         sigs = [op_signature(op, graph) for op in graph.ops]
-        hit = (graph, sigs, representatives(len(graph.ops), tandem_repeats(sigs)))
-        _REPEATS.clear()
-        _REPEATS[id(graph)] = hit
-    return hit[1], hit[2]
+        return sigs, representatives(len(graph.ops), tandem_repeats(sigs))
+    return costs.of_graph(graph, "repeats", compute)
 
 
-def _layer_ties(graph: OpGraph, groups: list[_Group], group_of: dict[int, int]) -> tuple[int, ...] | None:
+def _layer_ties(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], costs: ShardingCosts
+                ) -> tuple[int, ...] | None:
     """Tie each node of a repeated layer to its copy in the first layer (see `repeats`)."""
-    sigs, rep_op = _repeats_of(graph)
+    sigs, rep_op = _repeats_of(graph, costs)
     if all(r == i for i, r in enumerate(rep_op)):
         return None
     root_group = {g.ops[0]: gid for gid, g in enumerate(groups) if g.ops}
@@ -435,19 +425,21 @@ def plan_sharding(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
                   allowed_specs: dict[int, list[DimSharding]] | None = None,
                   tie_outputs: dict[int, int] | None = None,
                   time_limit_s: float = 30.0, solver: str = "highs", tie_layers: bool = True,
-                  memory_scope: str = "peak", tie_vars: Sequence[tuple[int, int]] = ()) -> ShardingPlan:
+                  memory_scope: str = "peak", tie_vars: Sequence[tuple[int, int]] = (),
+                  costs: ShardingCosts | None = None) -> ShardingPlan:
     """Solve the intra-op ILP for `graph` on `mesh`.
 
     fixed_specs / allowed_specs constrain the layouts of graph inputs (by var id);
     tie_outputs maps an output position to an input position whose layout it must be
     returned in (e.g. the new train state in the old state's layout), paying the reshard;
-    tie_vars (v, w) charge resharding var v into var w's layout (see `_edges`).
+    tie_vars (v, w) charge resharding var v into var w's layout (see `_edges`); costs is the
+    planning run's memo of strategies and reshard costs (`ShardingCosts`).
     """
     t0 = time.perf_counter()
     tie_outputs = tie_outputs or {}
     built = build_problem(graph, mesh, memory_budget_bytes=memory_budget_bytes, fixed_specs=fixed_specs,
                           allowed_specs=allowed_specs, tie_outputs=tie_outputs, time_limit_s=time_limit_s, solver=solver,
-                          tie_layers=tie_layers, memory_scope=memory_scope, tie_vars=tie_vars)
+                          tie_layers=tie_layers, memory_scope=memory_scope, tie_vars=tie_vars, costs=costs)
     problem, groups, edges, reshard = built.problem, built.groups, built.edges, built.reshard
     try:
         sol = ilp.solve(problem, time_limit_s=time_limit_s, solver=solver)

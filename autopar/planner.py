@@ -11,6 +11,7 @@ from autopar.cluster import Cluster, LogicalMesh
 from rockmate.graph.op_graph import OpGraph
 from autopar.intra_op import MemoryBudgetError, ShardingPlan, plan_sharding
 from autopar.plan import StagePlan, TensorPlan
+from autopar.sharding_costs import ShardingCosts
 from autopar.sharding_spec import AXIS_NAMES, DimSharding
 
 # Intermediates recorded in the plan (for reading and for reuse); the rest follow by propagation.
@@ -61,8 +62,11 @@ def state_ties(graph: OpGraph, args: tuple, batch_argnums: Sequence[int]) -> dic
 
 def plan_single_stage(graph: OpGraph, cluster: Cluster, method: Any, infos: list[InputInfo], *,
                       num_devices: int | None = None, memory_budget_bytes: float = math.inf,
-                      tie_outputs: dict[int, int] | None = None, memory_scope: str = "peak") -> tuple[ShardingPlan, LogicalMesh]:
-    """Solve the ILP on every mesh shape the method allows; return the cheapest plan."""
+                      tie_outputs: dict[int, int] | None = None, memory_scope: str = "peak",
+                      costs: ShardingCosts | None = None) -> tuple[ShardingPlan, LogicalMesh]:
+    """Solve the ILP on every mesh shape the method allows; return the cheapest plan.
+    `costs`: the planning run's memo of strategies and reshard costs (fresh if None)."""
+    costs = costs or ShardingCosts()
     n = num_devices or cluster.num_devices
     best: tuple[ShardingPlan, LogicalMesh] | None = None
     errors: list[MemoryBudgetError] = []
@@ -89,7 +93,7 @@ def plan_single_stage(graph: OpGraph, cluster: Cluster, method: Any, infos: list
             sp = plan_sharding(graph, mesh, memory_budget_bytes=memory_budget_bytes, fixed_specs=fixed,
                                allowed_specs=allowed, tie_outputs=tie_outputs,
                                time_limit_s=getattr(method, "time_limit_s", 30.0), solver=getattr(method, "solver", "highs"),
-                               memory_scope=memory_scope)
+                               memory_scope=memory_scope, costs=costs)
         except MemoryBudgetError as e:
             errors.append(e)
             continue

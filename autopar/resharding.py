@@ -9,7 +9,6 @@ moving an axis between dims, and at worst all-gather-then-slice.
 """
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 from typing import Any
@@ -21,35 +20,9 @@ from autopar.strategies.layouts import collective_s, mesh_shape_of
 
 def reshard_cost(src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: Any
                  ) -> tuple[float, tuple[Collective, ...]]:
-    """Seconds and collectives to turn `tensor` laid out as `src` into `dst`."""
-    if src == dst:
-        return 0.0, ()
-    key = (src, dst, tensor.shape, tensor.dtype, _mesh_key(mesh))
-    hit = _results.get(key)
-    if hit is None:
-        hit = _results[key] = _reshard_cost(_canon(src), _canon(dst), tensor, mesh)
-    return hit
-
-
-_results: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
-_meshes: dict[Any, Any] = {}
-
-
-def _mesh_key(mesh: Any) -> Any:
-    """Meshes are keyed by value when hashable (a LogicalMesh: equal meshes share results),
-    else by identity (kept alive here, so an id is never reused)."""
-    try:
-        hash(mesh)
-        key = mesh
-    except TypeError:
-        key = id(mesh)
-    if key not in _meshes:
-        _meshes[key] = mesh
-    return key
-
-
-def _reshard_cost(src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: Any
-                  ) -> tuple[float, tuple[Collective, ...]]:
+    """Seconds and collectives to turn `tensor` laid out as `src` into `dst` (pure: a
+    planning run memoises it in its `autopar.sharding_costs.ShardingCosts`)."""
+    src, dst = _canon(src), _canon(dst)
     if src == dst:
         return 0.0, ()
     ms = mesh_shape_of(mesh)
@@ -63,7 +36,7 @@ def _reshard_cost(src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: 
     fast = _gather_only(src, dst, tensor.shape, tensor.itemsize, mesh, ms)
     if fast is not None:
         return fast
-    return _search(src, dst, tensor.shape, tensor.itemsize, _mesh_key(mesh), ms)
+    return _search(src, dst, tensor.shape, tensor.itemsize, mesh, ms)
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
@@ -118,18 +91,16 @@ def _bytes(shape, spec, isz: int, ms) -> float:
     return float(n)
 
 
-def _search(src, dst, shape, isz, mkey, ms) -> tuple[float, tuple[Collective, ...]]:
-    """Dijkstra over layouts; only divisibility and the total size matter, so those are the key."""
+def _search(src, dst, shape, isz, mesh, ms) -> tuple[float, tuple[Collective, ...]]:
+    """Dijkstra over layouts; only divisibility and the total size matter."""
     sig = tuple((d % ms[0] == 0, d % ms[1] == 0, d % (ms[0] * ms[1]) == 0) for d in shape)
     full = float(isz)
     for d in shape:
         full *= d
-    return _search_sig(src, dst, sig, full, mkey, ms)
+    return _search_sig(src, dst, sig, full, mesh, ms)
 
 
-@functools.lru_cache(maxsize=65536)
-def _search_sig(src, dst, sig, full, mkey, ms) -> tuple[float, tuple[Collective, ...]]:
-    mesh = _meshes[mkey]
+def _search_sig(src, dst, sig, full, mesh, ms) -> tuple[float, tuple[Collective, ...]]:
     ndim = len(sig)
 
     def fits(d: int, axes: tuple[int, ...]) -> bool:

@@ -18,6 +18,7 @@ from autopar.intra_op import MemoryBudgetError, ShardingPlan
 from autopar.lower import build_mesh, sharded_function
 from autopar.plan import Plan, PlanFileError, RematAttempt, RematInfo
 from autopar.planner import InputInfo, input_infos, plan_single_stage, stage_plan, state_ties
+from autopar.sharding_costs import ShardingCosts
 from autopar.sharding_spec import AXIS_NAMES, DimSharding, is_valid
 from rockmate.graph import OpGraph, trace_graph
 
@@ -73,14 +74,16 @@ def plan(method: Any, request: PlanRequest) -> SingleStagePlanned:
     """Plan the step; with devices at hand and rockmate applied under a budget, compile the
     program and re-plan while XLA's measured memory exceeds the budget."""
     t0 = time.perf_counter()
-    planned = _plan(method, request)
+    costs = ShardingCosts()
+    planned = _plan(method, request, costs)
     if request.devices is not None and planned.plan.remat.applied == "rockmate" \
             and request.memory_budget_bytes is not None:
-        planned = _fit_remat(method, request, planned)
+        planned = _fit_remat(method, request, planned, costs)
     return replace(planned, plan=replace(planned.plan, planning_time_s=time.perf_counter() - t0))
 
 
-def _plan(method: Any, request: PlanRequest, activation_scale: float = 1.0) -> SingleStagePlanned:
+def _plan(method: Any, request: PlanRequest, costs: ShardingCosts, activation_scale: float = 1.0
+          ) -> SingleStagePlanned:
     args, kwargs = request.args, request.kwargs
     infos = input_infos(args, kwargs, request.batch_argnums)
     budget = request.memory_budget_bytes if request.memory_budget_bytes is not None else math.inf
@@ -89,7 +92,7 @@ def _plan(method: Any, request: PlanRequest, activation_scale: float = 1.0) -> S
     def plan_once(graph, limit=budget, scope="peak"):
         ties = state_ties(graph, args, request.batch_argnums)
         splan, _ = plan_single_stage(graph, cluster, method, infos, num_devices=n, memory_budget_bytes=limit,
-                                     tie_outputs=ties, memory_scope=scope)
+                                     tie_outputs=ties, memory_scope=scope, costs=costs)
         return splan
 
     remat = request.remat
@@ -193,7 +196,8 @@ def measured_step_memory(planned: SingleStagePlanned, request: PlanRequest):
     return exe.lower(*request.args, **request.kwargs).compile().memory_analysis()[0]
 
 
-def _fit_remat(method, request: PlanRequest, planned: SingleStagePlanned, max_replans: int = 3) -> SingleStagePlanned:
+def _fit_remat(method, request: PlanRequest, planned: SingleStagePlanned, costs: ShardingCosts,
+               max_replans: int = 3) -> SingleStagePlanned:
     """Compile the SPMD program and check its per-device memory (arguments + temp, from
     XLA's memory_analysis) against the budget; while over, re-plan with the rockmate
     activation budget cut by the measured overshoot. The measurement and the outcome
@@ -219,7 +223,7 @@ def _fit_remat(method, request: PlanRequest, planned: SingleStagePlanned, max_re
             break
         scale *= target / act
         try:
-            again = _plan(method, request, activation_scale=scale)
+            again = _plan(method, request, costs, activation_scale=scale)
         except MemoryBudgetError:
             break
         if again.plan.remat.applied != "rockmate":

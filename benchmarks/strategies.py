@@ -24,8 +24,7 @@ from autopar.cluster import LogicalMesh  # noqa: E402
 from autopar.device_presets import PRESETS  # noqa: E402
 from rockmate.graph.trace import trace_graph  # noqa: E402
 from autopar.model_zoo import GPTConfig, gpt_abstract_setup  # noqa: E402
-from autopar.resharding import reshard_cost  # noqa: E402
-from autopar.strategies import clear_cache, enumerate_strategies  # noqa: E402
+from autopar.sharding_costs import ShardingCosts  # noqa: E402
 
 TARGET_S = 10.0
 
@@ -38,11 +37,11 @@ def measure(layers: int, mesh_shape: tuple[int, int]) -> dict:
     t0 = time.perf_counter()
     graph = trace_graph(step, state, batch)
     trace_s = time.perf_counter() - t0
-    clear_cache()
+    costs = ShardingCosts()       # a planning run's memo, fresh
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        per_op = {op.index: enumerate_strategies(op, graph, mesh) for op in graph.ops}
+        per_op = {op.index: costs.strategies(op, graph, mesh) for op in graph.ops}
     enumerate_s = time.perf_counter() - t0
     producer = {v: op.index for op in graph.ops for v in op.outputs}
     pairs = 0
@@ -55,7 +54,7 @@ def measure(layers: int, mesh_shape: tuple[int, int]) -> dict:
             dsts = {s.in_specs[i] for s in per_op[op.index]}
             for a in srcs:
                 for b in dsts:
-                    reshard_cost(a, b, graph.vars[v], mesh)
+                    costs.reshard(a, b, graph.vars[v], mesh)
                     pairs += 1
     reshard_s = time.perf_counter() - t0
     counts = [len(s) for s in per_op.values()]

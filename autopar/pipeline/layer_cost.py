@@ -15,6 +15,7 @@ from typing import Any, Callable
 from autopar.cluster import LogicalMesh
 from autopar.intra_op import IDENTITY_PRIMITIVES, MemoryBudgetError, ShardingPlan, live_ops, plan_sharding
 from autopar.pipeline.layer_graph import LayerGraph
+from autopar.sharding_costs import ShardingCosts
 from autopar.sharding_spec import Collective, DimSharding, all_layouts, shard_factor
 from rockmate.graph.fusion import liveness_peak, materialized
 
@@ -114,14 +115,14 @@ def most_sharded(shape: tuple[int, ...], mesh_shape: tuple[int, int]) -> list[Di
 
 
 def solve_layer(lg: LayerGraph, mesh: LogicalMesh, *, params: str = "fast", time_limit_s: float = 30.0,
-                solver: str = "highs") -> LayerCost:
+                solver: str = "highs", costs: ShardingCosts | None = None) -> LayerCost:
     """The layer's ILP on `mesh` (no memory bound: the stage DP checks memory).
     params="sharded" restricts every parameter to its most sharded layouts (ZeRO-3 or
     tensor parallel, as the ILP prefers): the least parameter memory at the best time."""
     ties, tie_vars = layer_ties(lg)
     allowed = {v: most_sharded(lg.graph.vars[v].shape, mesh.shape) for v in lg.param_vars} if params == "sharded" else None
     plan = plan_sharding(lg.graph, mesh, tie_outputs=ties, tie_vars=tie_vars, allowed_specs=allowed,
-                         time_limit_s=time_limit_s, solver=solver)
+                         time_limit_s=time_limit_s, solver=solver, costs=costs)
     return layer_cost(lg, mesh, plan)
 
 
@@ -172,11 +173,13 @@ def _op_time(plan: ShardingPlan, index: int) -> float:
 
 class LayerSolver:
     """Layer ILP solutions cached by layer content and logical mesh (identical layers on
-    the same mesh are one solve), and their roofline bounds. Lives as long as one
-    planning run."""
+    the same mesh are one solve), their roofline bounds, and the strategies and reshard
+    costs the ILPs and stage compositions share (`costs`). Lives as long as one planning
+    run."""
 
     def __init__(self, time_limit_s: float = 30.0, solver: str = "highs"):
         self.time_limit_s, self.solver = time_limit_s, solver
+        self.costs = ShardingCosts()
         self._solved: dict[tuple[str, Any], LayerCost] = {}
         self._roofline: dict[tuple[str, Any], float] = {}
         self.solves = 0
@@ -193,7 +196,7 @@ class LayerSolver:
             self.solves += 1
             try:
                 self._solved[key] = solve_layer(lg, mesh, params=params, time_limit_s=self.time_limit_s,
-                                                solver=self.solver)
+                                                solver=self.solver, costs=self.costs)
             except MemoryBudgetError:
                 raise AssertionError("layer ILPs have no memory bound") from None
         return self._solved[key]

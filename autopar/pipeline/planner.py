@@ -226,7 +226,8 @@ class _Candidates:
                         layers = self.layers(r)
                         c = self.costs[(i, j, m, k, p, r)] = compose(
                             stage_layers(layers[i:j + 1], layers), [done[key] for key in keys[i:j + 1]], mesh,
-                            state_bytes_per_param_byte=self.planner.state_factor, send_s_per_byte=send)
+                            state_bytes_per_param_byte=self.planner.state_factor, send_s_per_byte=send,
+                            reshard=self.planner.solver.costs.reshard)
                     values = (c.micro_batch_s, c.iteration_s, c.weight_bytes, c.activation_bytes,
                               c.working_bytes, c.update_bytes)
                     self.priced[i, j, m, 0, o] = True

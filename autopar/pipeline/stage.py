@@ -10,7 +10,7 @@ constraint with its layout, so XLA runs the stage as the ILP decided.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -83,10 +83,11 @@ def _out_spec(lg: LayerGraph, cost: LayerCost, v: int) -> DimSharding:
 
 
 def compose(stage: StageLayers, costs: Sequence[LayerCost], mesh: LogicalMesh, *, state_bytes_per_param_byte: float,
-            send_s_per_byte: float) -> StageCost:
+            send_s_per_byte: float, reshard: Callable = reshard_cost) -> StageCost:
     """The stage's cost from its layers' ILP solutions: their objectives, the reshards
     where one layer hands a value to the next in another layout, a parameter read by
-    several layers in different layouts, and the transfers to neighbouring stages."""
+    several layers in different layouts, and the transfers to neighbouring stages.
+    `reshard`: `reshard_cost` or a planning run's memo of it (`ShardingCosts.reshard`)."""
     ms = mesh.shape
     by_index = {lg.spec.index: (lg, c) for lg, c in zip(stage.layers, costs)}
     producer = {v: lg.spec.index for lg in stage.layers for v in lg.spec.out_acts}
@@ -94,7 +95,7 @@ def compose(stage: StageLayers, costs: Sequence[LayerCost], mesh: LogicalMesh, *
     fwd_s = sum(c.forward_s for c in costs)
     compute = sum(c.plan.compute_s for c in costs)
     comm = sum(c.plan.comm_s for c in costs)
-    reshard = sum(c.plan.reshard_s for c in costs)
+    reshard_s = sum(c.plan.reshard_s for c in costs)
     colls = [x for c in costs for x in c.collectives]
     # hand-offs between layers of the stage (forward value, backward cotangent)
     for lg, c in zip(stage.layers, costs):
@@ -104,12 +105,12 @@ def compose(stage: StageLayers, costs: Sequence[LayerCost], mesh: LogicalMesh, *
             src_lg, src_c = by_index[producer[v]]
             have, want = _out_spec(src_lg, src_c, v), c.var_specs.get(lg.act_vars[j], replicated(len(lg.graph.vars[lg.act_vars[j]].shape)))
             spec = lg.graph.vars[lg.act_vars[j]]
-            t, cs = reshard_cost(have, want, spec, mesh)
+            t, cs = reshard(have, want, spec, mesh)
             ct = src_lg.ct_vars[src_lg.spec.out_acts.index(v)]
             if ct is not None:
-                t2, cs2 = reshard_cost(want, src_c.var_specs.get(ct, have), spec, mesh)
+                t2, cs2 = reshard(want, src_c.var_specs.get(ct, have), spec, mesh)
                 t, cs = t + t2, cs + cs2
-            reshard += t
+            reshard_s += t
             time_s += t
             colls.extend(cs)
     # one stored layout per parameter (its first reader's); other readers reshard it
@@ -122,9 +123,9 @@ def compose(stage: StageLayers, costs: Sequence[LayerCost], mesh: LogicalMesh, *
                 first[i] = spec
                 weight += per_device_bytes(lg, c.var_specs, ms, v)
             elif first[i] != spec:
-                t, cs = reshard_cost(first[i], spec, lg.graph.vars[v], mesh)
-                t2, cs2 = reshard_cost(spec, first[i], lg.graph.vars[v], mesh)
-                reshard += t + t2
+                t, cs = reshard(first[i], spec, lg.graph.vars[v], mesh)
+                t2, cs2 = reshard(spec, first[i], lg.graph.vars[v], mesh)
+                reshard_s += t + t2
                 time_s += t + t2
                 colls.extend(cs + cs2)
     sent = 0.0
@@ -143,7 +144,7 @@ def compose(stage: StageLayers, costs: Sequence[LayerCost], mesh: LogicalMesh, *
         working = max(working, sum(c.backward_peak_bytes for c in costs))
     return StageCost(micro_batch_s=time_s, iteration_s=update_s, weight_bytes=state + weight,
                      activation_bytes=sum(c.residual_bytes for c in costs), working_bytes=working,
-                     update_bytes=state, forward_s=fwd_s, compute_s=compute, comm_s=comm, reshard_s=reshard,
+                     update_bytes=state, forward_s=fwd_s, compute_s=compute, comm_s=comm, reshard_s=reshard_s,
                      send_s=send, collectives=tuple(colls))
 
 

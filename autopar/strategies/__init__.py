@@ -3,9 +3,10 @@
 `enumerate_strategies(op, graph, mesh)` lists the valid ways to run one op: operand and
 result layouts (`DimSharding`), the roofline compute time of the local shard and the
 collectives the op itself performs. Rules live in one module per primitive family;
-unknown primitives get one replicated strategy and a warning. Results are cached per
-(primitive, shapes, params, mesh), so a 10k-op graph enumerates in well under a second
-once its few distinct layers have been seen.
+unknown primitives get one replicated strategy and a warning. The function is pure; a
+planning run memoises it per (primitive, shapes, params, mesh) in its
+`autopar.sharding_costs.ShardingCosts`, so a 10k-op graph enumerates in well under a
+second once its few distinct layers have been seen.
 """
 from __future__ import annotations
 
@@ -63,22 +64,14 @@ CONTROL_FLOW = frozenset({"while", "cond"})
 FOLLOWER_PRIMITIVES = elementwise.UNARY_FOLLOWERS | frozenset(
     ["reshape", "squeeze", "expand_dims", "transpose", "broadcast_in_dim"])
 
-_cache: dict[tuple, list[Strategy]] = {}
 _warned: set[str] = set()
-_mesh_refs: dict[int, Any] = {}
 
 
 def enumerate_strategies(op: Op, graph: OpGraph, mesh: Any) -> list[Strategy]:
     """Every valid strategy of `op` on `mesh` (a LogicalMesh); never empty."""
     ins = tuple(None if v in graph.literals else graph.vars[v] for v in op.inputs)
     outs = tuple(graph.vars[v] for v in op.outputs)
-    key = _cache_key(op, ins, outs, mesh)
-    if key is not None and key in _cache:
-        return list(_cache[key])
-    strategies = _enumerate(op, ins, outs, mesh)
-    if key is not None:
-        _cache[key] = strategies
-    return list(strategies)
+    return _enumerate(op, ins, outs, mesh)
 
 
 def _enumerate(op: Op, ins: tuple[TensorSpec | None, ...], outs: tuple[TensorSpec, ...],
@@ -127,36 +120,4 @@ def is_follower(op: Op, graph: OpGraph | None = None) -> bool:
     return len(big) == 1
 
 
-def _cache_key(op: Op, ins, outs, mesh) -> tuple | None:
-    try:
-        params = tuple(sorted((k, _freeze(v)) for k, v in op.params.items()))
-        hash(params)
-    except TypeError:
-        return None
-    try:
-        hash(mesh)
-        mkey: Any = mesh
-    except TypeError:
-        _mesh_refs[id(mesh)] = mesh  # keep it alive so the id is not reused
-        mkey = ("id", id(mesh))
-    return (op.name, ins, outs, params, float(op.flops), mkey)
-
-
-def _freeze(v: Any) -> Any:
-    if isinstance(v, (list, tuple)):
-        return tuple(_freeze(x) for x in v)
-    if isinstance(v, dict):
-        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
-    if hasattr(v, "jaxpr") or hasattr(v, "eqns"):
-        raise TypeError("jaxpr params are not cached")
-    hash(v)
-    return v
-
-
-def clear_cache() -> None:
-    """Forget cached strategies (e.g. after changing a mesh's calibration in place)."""
-    _cache.clear()
-    _mesh_refs.clear()
-
-
-__all__ = ["enumerate_strategies", "is_follower", "clear_cache", "RULES"]
+__all__ = ["enumerate_strategies", "is_follower", "RULES"]

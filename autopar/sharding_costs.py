@@ -1,0 +1,87 @@
+"""`ShardingCosts`: the intra-op pass's per-op strategies, reshard costs and repeated-layer
+structure, memoised for one planning run. Planning asks for the same answers thousands of
+times (repeated layers, the same layer on several meshes, stage compositions); the memo
+lives as long as the planner that owns it, so nothing grows at module level."""
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+from autopar.resharding import reshard_cost
+from autopar.sharding_spec import Collective, DimSharding, Strategy
+from autopar.strategies import enumerate_strategies
+from rockmate.graph.op_graph import Op, OpGraph, TensorSpec
+
+T = TypeVar("T")
+
+
+class ShardingCosts:
+    """Memoised `enumerate_strategies` and `reshard_cost`, plus one per-graph slot for
+    structure derived from the graph being planned (e.g. its repeated layers)."""
+
+    def __init__(self) -> None:
+        self._strategies: dict[tuple, list[Strategy]] = {}
+        self._reshards: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
+        self._meshes: dict[int, Any] = {}        # unhashable meshes, kept alive so their ids stay unique
+        self._graph: tuple[OpGraph, dict[str, Any]] | None = None
+
+    def strategies(self, op: Op, graph: OpGraph, mesh: Any) -> list[Strategy]:
+        """`enumerate_strategies(op, graph, mesh)`, computed once per op content and mesh."""
+        ins = tuple(None if v in graph.literals else graph.vars[v] for v in op.inputs)
+        outs = tuple(graph.vars[v] for v in op.outputs)
+        key = _op_key(op, ins, outs, self._mesh_key(mesh))
+        if key is None:
+            return enumerate_strategies(op, graph, mesh)
+        if key not in self._strategies:
+            self._strategies[key] = enumerate_strategies(op, graph, mesh)
+        return list(self._strategies[key])
+
+    def reshard(self, src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: Any
+                ) -> tuple[float, tuple[Collective, ...]]:
+        """`reshard_cost(src, dst, tensor, mesh)`, computed once per layouts, tensor and mesh."""
+        if src == dst:
+            return 0.0, ()
+        key = (src, dst, tensor.shape, tensor.dtype, self._mesh_key(mesh))
+        hit = self._reshards.get(key)
+        if hit is None:
+            hit = self._reshards[key] = reshard_cost(src, dst, tensor, mesh)
+        return hit
+
+    def of_graph(self, graph: OpGraph, name: str, compute: Callable[[], T]) -> T:
+        """`compute()` once per graph (the latest graph asked about is kept)."""
+        if self._graph is None or self._graph[0] is not graph:
+            self._graph = (graph, {})
+        slots = self._graph[1]
+        if name not in slots:
+            slots[name] = compute()
+        return slots[name]
+
+    def _mesh_key(self, mesh: Any) -> Any:
+        """A LogicalMesh is keyed by value (equal meshes share results), others by identity."""
+        try:
+            hash(mesh)
+            return mesh
+        except TypeError:
+            self._meshes[id(mesh)] = mesh
+            return ("id", id(mesh))
+
+
+def _op_key(op: Op, ins: tuple, outs: tuple, mesh_key: Any) -> tuple | None:
+    """What an op's strategies depend on, or None when its params cannot be hashed (e.g. a
+    scan's body): such ops are enumerated every time."""
+    try:
+        params = tuple(sorted((k, _freeze(v)) for k, v in op.params.items()))
+        hash(params)
+    except TypeError:
+        return None
+    return (op.name, ins, outs, params, float(op.flops), mesh_key)
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if hasattr(v, "jaxpr") or hasattr(v, "eqns"):
+        raise TypeError("jaxpr params are not keyed")
+    hash(v)
+    return v
