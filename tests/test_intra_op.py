@@ -168,3 +168,28 @@ def test_tied_layers_shrink_the_ilp_and_keep_layers_identical():
     b = ilp.solve(untied.problem, 60)
     assert a.objective_s >= b.objective_s * (1 - 1e-9)          # a restriction can only cost more
     assert a.objective_s <= b.objective_s * 1.05                 # ... and identical layers lose little
+
+
+def test_a_planning_runs_memo_answers_as_the_pure_functions_do():
+    """ShardingCosts (one per planning run) returns each op's strategies and each reshard
+    cost exactly as computed afresh, answers repeated layers from the memo, and a plan made
+    through a used memo equals one made with a fresh memo."""
+    from autopar.model_zoo import GPTConfig, gpt_abstract_setup
+    from autopar.sharding_costs import ShardingCosts
+
+    step, state, batch = gpt_abstract_setup(GPTConfig(vocab=64, seq=8, hidden=32, heads=2, layers=3, batch=8))
+    graph = trace_graph(step, state, batch)
+    mesh = autopar.Cluster.preset("a100-80g", 1, 8).logical_mesh((2, 4))
+    costs = ShardingCosts()
+    for op in graph.ops:
+        assert costs.strategies(op, graph, mesh) == enumerate_strategies(op, graph, mesh)
+    assert len(costs._strategies) < len(graph.ops) // 2          # the three layers share entries
+    first = plan_sharding(graph, mesh, costs=costs)
+    assert costs._reshards
+    for (src, dst, shape, dtype, _), hit in list(costs._reshards.items())[:200]:
+        spec = next(graph.vars[v] for v in graph.vars if graph.vars[v].shape == shape and graph.vars[v].dtype == dtype)
+        assert hit == reshard_cost(src, dst, spec, mesh)
+    again = plan_sharding(graph, mesh, costs=costs)
+    fresh = plan_sharding(graph, mesh)
+    assert first.var_specs == again.var_specs == fresh.var_specs
+    assert first.objective_s == again.objective_s == fresh.objective_s
