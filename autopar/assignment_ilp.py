@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -241,7 +242,8 @@ def _solve_cbc(m: _Matrix, time_limit_s: float):
 
     nvar = len(m.c)
     prob = pulp.LpProblem("autopar_intra_op", pulp.LpMinimize)
-    xs = [pulp.LpVariable(f"x{i}", cat="Binary") if i < m.n_int else pulp.LpVariable(f"x{i}", 0, 1) for i in range(nvar)]
+    xs = [prob.add_variable(f"x{i}", cat=pulp.LpBinary) if i < m.n_int else prob.add_variable(f"x{i}", 0, 1)
+          for i in range(nvar)]
     prob += pulp.LpAffineExpression([(xs[i], float(m.c[i])) for i in np.nonzero(m.c)[0]])
     rows: dict[int, list] = {}
     for r, cidx, v in zip(m.eq_rows, m.eq_cols, m.eq_vals):
@@ -250,7 +252,10 @@ def _solve_cbc(m: _Matrix, time_limit_s: float):
         prob += pulp.LpAffineExpression([(xs[i], a) for i, a in terms]) == m.b_eq[r]
     for cols, vals, b in m.ub:
         prob += pulp.LpAffineExpression([(xs[i], float(a)) for i, a in zip(cols.tolist(), vals.tolist())]) <= b
-    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(np.ceil(time_limit_s))), gapRel=1e-7))
+    with warnings.catch_warnings():     # PULP_CBC_CMD goes in PuLP 4; pyproject pins pulp<4
+        warnings.filterwarnings("ignore", "PULP_CBC_CMD is deprecated", DeprecationWarning)
+        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(np.ceil(time_limit_s))), gapRel=1e-7)
+    status = prob.solve(cmd)
     name = pulp.LpStatus[status]
     if name == "Infeasible":
         return None, "infeasible"
