@@ -315,7 +315,10 @@ def test_fit_on_cpu_timings_is_finite_and_non_negative(cpu_measurements):
     for axis in (0, 1):
         f = fit_axis([m for m in cpu_measurements if m.axis == axis])
         assert math.isfinite(f.alpha_s) and f.alpha_s >= 0
-        assert math.isfinite(f.beta_s_per_byte) and f.beta_s_per_byte > 0
+        # >= 0, not > 0: on a loaded machine the 1 MiB timings can come out no slower than
+        # the 4 KiB ones, and the non-negative fit then clamps beta to 0 (seen in CI beside
+        # a benchmark: rel. residual 143)
+        assert math.isfinite(f.beta_s_per_byte) and f.beta_s_per_byte >= 0
         # Wall-clock timings of 8 simulated devices on 2 cores are too noisy to bound the
         # residual (one idle CI run measured a near-zero time and a residual of 7850); the
         # fit's accuracy is checked on synthetic timings (test_fit_recovers_alpha_beta_exactly_*).
