@@ -161,7 +161,8 @@ def _main_input(op: Op, graph: OpGraph) -> int | None:
 
 
 def _build_groups(graph: OpGraph, mesh: LogicalMesh, fixed: dict[int, DimSharding], allowed: dict[int, list[DimSharding]],
-                  reshard: _Reshard, time_limit_s: float, solver: str) -> tuple[list[_Group], dict[int, int]]:
+                  reshard: _Reshard, costs: ShardingCosts, time_limit_s: float, solver: str
+                  ) -> tuple[list[_Group], dict[int, int]]:
     kept = materialized(graph)
     groups: list[_Group] = []
     group_of: dict[int, int] = {}
@@ -184,7 +185,7 @@ def _build_groups(graph: OpGraph, mesh: LogicalMesh, fixed: dict[int, DimShardin
                     ch.out[w] = ch.out[v]
                 group_of[w] = gid
             continue
-        strats = _strategies(op, graph, mesh, time_limit_s, solver, kept, reshard.costs)
+        strats = _strategies(op, graph, mesh, time_limit_s, solver, kept, costs)
         if not strats:
             raise RuntimeError(f"no sharding strategy for op {op.index} ({op.name}) at {op.source}")
         live_inputs = [(i, v) for i, v in enumerate(op.inputs) if v not in graph.literals]
@@ -348,7 +349,8 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, *, memory_budget_bytes: flo
     strategies and reshard costs across calls of one planning run (a fresh memo if None)."""
     costs = costs or ShardingCosts()
     reshard = _Reshard(mesh, costs)
-    groups, group_of = _build_groups(graph, mesh, fixed_specs or {}, allowed_specs or {}, reshard, time_limit_s, solver)
+    groups, group_of = _build_groups(graph, mesh, fixed_specs or {}, allowed_specs or {}, reshard, costs, time_limit_s,
+                                     solver)
     edges = _edges(graph, groups, group_of, reshard, tie_outputs or {}, tie_vars)
     peak_rows, arg_rows = _memory_rows(graph, groups, group_of, mesh)
     tie = _layer_ties(graph, groups, group_of, costs) if tie_layers else None
