@@ -63,9 +63,12 @@ def split_step(graph: OpGraph, grad_op: int, grad_in_stage: Sequence[int | None]
             pre_idx.append(i)
             need.update(ops[i].inputs)
     pre_idx.reverse()
-    pre = _program(graph, pre_idx, g.inputs)
     pre_set = set(pre_idx)
     rest = [i for i in range(len(ops)) if i != grad_op and i not in pre_set]
+    # pre also hands on what the update or the step's outputs read from it (the new key
+    # of a jax.random.split whose other half feeds the loss)
+    later = {v for i in rest for v in ops[i].inputs} | set(graph.outvars)
+    pre = _program(graph, pre_idx, [*g.inputs, *(v for i in pre_idx for v in ops[i].outputs if v in later)])
 
     var_stage: dict[int, int] = {}
     for v, s in zip(g.inputs, grad_in_stage):
