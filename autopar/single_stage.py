@@ -124,7 +124,7 @@ def _plan(method: Any, request: PlanRequest, costs: ShardingCosts, activation_sc
 
 
 def _plan_with_remat(request: PlanRequest, graph, splan, reason, infos, plan_once, budget, activation_scale: float):
-    """Re-trace the step with a rockmate schedule on the loss given to autopar.value_and_grad,
+    """Re-trace the step with a rockmate schedule on the loss of its gradient call,
     under the activation budget left per device after parameters and optimizer state
     (times `activation_scale`, < 1 when a compiled program measured over the budget)."""
     import rockmate
@@ -160,11 +160,12 @@ def _plan_with_remat(request: PlanRequest, graph, splan, reason, infos, plan_onc
     with transform_losses(transform):
         new_graph = trace_step(request.fun, request.args, request.kwargs)
     if not used:
-        warnings.warn("autopar: remat needs the loss; compute gradients with autopar.value_and_grad / autopar.grad "
-                      "in the train step so that rockmate can reschedule it. Planning without remat.")
+        warnings.warn("autopar: remat needs the loss, and the step computes no gradient with jax.value_and_grad / "
+                      "jax.grad (or a wrapper of them) outside jit and loops; mark it with autopar.value_and_grad so "
+                      "that rockmate can reschedule it. Planning without remat.")
         if splan is None:
             raise reason
-        return graph, splan, RematInfo(mode=request.remat, applied="none (the step does not call autopar.value_and_grad)")
+        return graph, splan, RematInfo(mode=request.remat, applied="none (no gradient call found in the step)")
     # rockmate owns the activations now: the ILP places the arguments (with the old plan's
     # argument footprint as their budget) and the memory estimate is arguments + remat temp.
     new_splan = plan_once(new_graph, arg_bytes * 1.0001 + 1 if math.isfinite(budget) else budget, "arguments")

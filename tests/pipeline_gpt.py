@@ -59,16 +59,23 @@ def make_batch(key, batch_size):
             "targets": jax.random.randint(k2, (batch_size, SEQ), 0, VOCAB)}
 
 
-def make_step(optimizer, markers=False, closure=False):
+def make_step(optimizer, markers=False, closure=False, grad_api="autopar"):
     """step(state, batch); with `closure` the loss closes over the batch
-    (`value_and_grad(lambda p: loss(p, batch))`, the most common way to write it)."""
+    (`value_and_grad(lambda p: loss(p, batch))`, the most common way to write it).
+    `grad_api` picks the gradient call: "autopar" (autopar.value_and_grad),
+    "jax.value_and_grad" or "jax.grad"."""
+    vg = {"autopar": value_and_grad, "jax.value_and_grad": jax.value_and_grad,
+          "jax.grad": lambda f, **kw: (lambda *a: (None, jax.grad(f, **kw)(*a)))}[grad_api]
+
     def step(state, batch):
         params, opt_state = state
         if closure:
-            loss, grads = value_and_grad(lambda p: loss_fn(p, batch, markers))(params)
+            loss, grads = vg(lambda p: loss_fn(p, batch, markers))(params)
         else:
-            loss, grads = value_and_grad(lambda p, b: loss_fn(p, b, markers))(params, batch)
+            loss, grads = vg(lambda p, b: loss_fn(p, b, markers))(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
+        if loss is None:     # jax.grad: report a value computed from the gradient instead
+            loss = sum(jnp.vdot(g, g) for g in jax.tree_util.tree_leaves(grads))
         return (optax.apply_updates(params, updates), opt_state), loss
     return step
 

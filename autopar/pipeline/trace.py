@@ -1,7 +1,8 @@
 """Trace a train step for pipelining: the whole step at the full batch with its gradient
 call left as one op, and the loss on one micro-batch, both as op graphs.
 
-The loss is found through `autopar.value_and_grad` / `autopar.grad` (see `grad.py`). To get
+The loss is found through the step's `jax.value_and_grad` / `jax.grad` call, or an
+`autopar.value_and_grad` marker (see `grad.py`). To get
 it at micro-batch size the step is traced a second time with its batch arguments cut to
 one micro-batch: whatever the loss closes over (a batch captured by a lambda, a mask built
 from it) then has micro-batch shapes too. Which loss inputs are split into micro-batches
@@ -55,8 +56,10 @@ def _trace_with_grad(fun: Callable, args: Sequence[Any]) -> tuple[OpGraph, int, 
         if len(found) != 1 or len(calls) != 1:
             raise ValueError(
                 f"PipeshardParallel needs the train step to compute its gradient with exactly one "
-                f"autopar.value_and_grad / autopar.grad call outside any loop; found {len(found)} "
-                f"(jax.grad calls cannot be pipelined: replace them with autopar.grad)")
+                f"jax.value_and_grad / jax.grad call (or a wrapper of them: nnx.value_and_grad, "
+                f"eqx.filter_value_and_grad, autopar.value_and_grad), outside any jit, scan or loop; "
+                f"found {len(found)}. A gradient from jax.vjp or a custom transformation is invisible: "
+                f"wrap the loss in autopar.value_and_grad to mark it")
         call = calls[0]
     return graph, found[0], call
 
