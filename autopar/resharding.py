@@ -18,10 +18,12 @@ from autopar.sharding_spec import Collective, DimSharding, is_valid
 from autopar.strategies.layouts import collective_s, mesh_shape_of
 
 
-def reshard_cost(src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: Any
-                 ) -> tuple[float, tuple[Collective, ...]]:
-    """Seconds and collectives to turn `tensor` laid out as `src` into `dst` (pure: a
-    planning run memoises it in its `autopar.sharding_costs.ShardingCosts`)."""
+def reshard_cost(src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: Any,
+                 tables: dict | None = None) -> tuple[float, tuple[Collective, ...]]:
+    """Seconds and collectives to turn `tensor` laid out as `src` into `dst`.
+
+    Pure apart from `tables`: a planning run's `ShardingCosts` passes one dict per mesh to
+    keep each source layout's shortest-path table, which answers every target at once."""
     src, dst = _canon(src), _canon(dst)
     if src == dst:
         return 0.0, ()
@@ -36,7 +38,14 @@ def reshard_cost(src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: A
     fast = _gather_only(src, dst, tensor.shape, tensor.itemsize, mesh, ms)
     if fast is not None:
         return fast
-    return _search(src, dst, tensor.shape, tensor.itemsize, mesh, ms)
+    sig, full = _signature(tensor.shape, tensor.itemsize, ms)
+    key = (src, sig, full)
+    table = None if tables is None else tables.get(key)
+    if table is None:
+        table = _shortest_paths(src, sig, full, mesh, ms)
+        if tables is not None:
+            tables[key] = table
+    return table[dst]
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
@@ -91,16 +100,17 @@ def _bytes(shape, spec, isz: int, ms) -> float:
     return float(n)
 
 
-def _search(src, dst, shape, isz, mesh, ms) -> tuple[float, tuple[Collective, ...]]:
-    """Dijkstra over layouts; only divisibility and the total size matter."""
+def _signature(shape, isz: int, ms) -> tuple[tuple, float]:
+    """What the search depends on: each dim's divisibility by the mesh axes, and the bytes."""
     sig = tuple((d % ms[0] == 0, d % ms[1] == 0, d % (ms[0] * ms[1]) == 0) for d in shape)
     full = float(isz)
     for d in shape:
         full *= d
-    return _search_sig(src, dst, sig, full, mesh, ms)
+    return sig, full
 
 
-def _search_sig(src, dst, sig, full, mesh, ms) -> tuple[float, tuple[Collective, ...]]:
+def _shortest_paths(src, sig, full, mesh, ms) -> dict[tuple, tuple[float, tuple[Collective, ...]]]:
+    """Dijkstra over layouts from `src` to every layout reachable from it (all valid ones)."""
     ndim = len(sig)
 
     def fits(d: int, axes: tuple[int, ...]) -> bool:
@@ -114,13 +124,14 @@ def _search_sig(src, dst, sig, full, mesh, ms) -> tuple[float, tuple[Collective,
         return full / k
 
     def neighbours(cur):
-        # slice: add an unused axis as the minor-most split of a dim (free); only towards dst,
-        # since an extra split that is not in dst would have to be gathered again
+        # slice: add an unused axis as the minor-most split of a dim (free)
         used = {a for x in cur for a in x}
-        for d in range(ndim):
-            k = len(cur[d])
-            if k < len(dst[d]) and cur[d] == dst[d][:k] and dst[d][k] not in used:
-                yield cur[:d] + (dst[d][:k + 1],) + cur[d + 1:], None
+        for a in range(len(ms)):
+            if a in used:
+                continue
+            for d in range(ndim):
+                if fits(d, cur[d] + (a,)):
+                    yield cur[:d] + (cur[d] + (a,),) + cur[d + 1:], None
         # all-gather: drop a set of minor-most axes (one collective over all of them)
         tails = [(d, k) for d in range(ndim) for k in range(1, len(cur[d]) + 1)]
         for r in range(1, len(tails) + 1):
@@ -157,19 +168,18 @@ def _search_sig(src, dst, sig, full, mesh, ms) -> tuple[float, tuple[Collective,
         return t
 
     best = {src: 0.0}
+    done: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
     heap = [(0.0, 0, src, ())]
     tie = itertools.count(1)
     while heap:
         cost, _, cur, path = heapq.heappop(heap)
-        if cur == dst:
-            colls = tuple(Collective(*c) for c in path)
-            return float(sum(cost_of(c) for c in path)), colls
-        if cost > best.get(cur, float("inf")):
+        if cur in done:
             continue
+        done[cur] = (float(sum(cost_of(c) for c in path)), tuple(Collective(*c) for c in path))
         for nxt, c in neighbours(cur):
             # prefer fewer collectives on ties (a free slice counts nothing)
             nc = cost if c is None else cost + cost_of(c) + 1e-15
             if nc < best.get(nxt, float("inf")):
                 best[nxt] = nc
                 heapq.heappush(heap, (nc, next(tie), nxt, path if c is None else path + (c,)))
-    raise ValueError(f"autopar: no resharding path from {src} to {dst}")  # unreachable: gather+slice always works
+    return done

@@ -21,6 +21,7 @@ class ShardingCosts:
     def __init__(self) -> None:
         self._strategies: dict[tuple, list[Strategy]] = {}
         self._reshards: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
+        self._paths: dict[Any, dict] = {}       # per mesh: source layout -> shortest-path table
         self._meshes: dict[int, Any] = {}        # unhashable meshes, kept alive so their ids stay unique
         self._graph: tuple[OpGraph, dict[str, Any]] | None = None
 
@@ -40,10 +41,11 @@ class ShardingCosts:
         """`reshard_cost(src, dst, tensor, mesh)`, computed once per layouts, tensor and mesh."""
         if src == dst:
             return 0.0, ()
-        key = (src, dst, tensor.shape, tensor.dtype, self._mesh_key(mesh))
+        mesh_key = self._mesh_key(mesh)
+        key = (src, dst, tensor.shape, tensor.dtype, mesh_key)
         hit = self._reshards.get(key)
         if hit is None:
-            hit = self._reshards[key] = reshard_cost(src, dst, tensor, mesh)
+            hit = self._reshards[key] = reshard_cost(src, dst, tensor, mesh, self._paths.setdefault(mesh_key, {}))
         return hit
 
     def of_graph(self, graph: OpGraph, name: str, compute: Callable[[], T]) -> T:

@@ -108,7 +108,7 @@ def test_predicted_collectives_match_compiled_hlo(src, dst):
 
 def test_closed_form_gathers_agree_with_the_full_search():
     """The no-move fast path gives the same cost as the shortest-path search."""
-    from autopar.resharding import _gather_only, _search
+    from autopar.resharding import _gather_only, _shortest_paths, _signature
 
     rng = random.Random(1)
     for shape in [(8, 16, 4), (2, 12), (16, 8, 8, 2)]:
@@ -122,7 +122,24 @@ def test_closed_form_gathers_agree_with_the_full_search():
             fast = _gather_only(a, b, shape, 4, MESH, MESH.shape)
             if fast is None:
                 continue
-            slow = _search(a, b, shape, 4, MESH, MESH.shape)
+            slow = _shortest_paths(a, *_signature(shape, 4, MESH.shape), MESH, MESH.shape)[b]
             assert fast[0] == pytest.approx(slow[0], rel=1e-9), (a, b, fast, slow)
             checked += 1
         assert checked > 20
+
+
+def test_a_shared_table_answers_as_a_fresh_search():
+    """A planning run keeps one shortest-path table per source layout, divisibility and size
+    (per mesh); answers through it equal fresh searches, also for another shape with the same
+    divisibility and bytes, and far fewer tables than pairs are built."""
+    rng = random.Random(2)
+    tables: dict = {}
+    pairs = 0
+    for shape in [(8, 16, 4), (16, 8, 4), (16, 8, 8, 2)]:
+        t = TensorSpec(shape, "float32")
+        layouts = _layouts(shape, MESH.shape)
+        for _ in range(300):
+            a, b = rng.choice(layouts), rng.choice(layouts)
+            assert reshard_cost(a, b, t, MESH, tables) == reshard_cost(a, b, t, MESH)
+            pairs += 1
+    assert 0 < len(tables) < pairs / 5
