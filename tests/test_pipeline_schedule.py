@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from autopar.pipeline.gantt import draw, timeline_bars
+from autopar.pipeline.gantt import draw, schedule_figure, timeline_bars
 from autopar.pipeline.schedule import (issue_order, peak_in_flight, pipeline_latency_s, simulate,
                                        stage_orders)
 
@@ -64,7 +64,7 @@ def test_issue_order_is_a_valid_sequential_order():
             assert [t for t in order if t.stage == s] == own
 
 
-def test_gantt_draws_one_bar_per_task(tmp_path):
+def _two_stage_plan():
     from autopar.plan import PipelinePlan, Plan, StagePlan, TimelineTask
 
     timed = simulate(stage_orders("1f1b", 2, 3), [1.0, 2.0], [2.0, 4.0])
@@ -73,6 +73,13 @@ def test_gantt_draws_one_bar_per_task(tmp_path):
     plan = Plan("pipeshard(1f1b, B=3)", "", {}, stages, num_micro_batches=3, schedule="1f1b",
                 pipeline=PipelinePlan("1f1b", 3, 2, (0, 5, 9), 6 + 3 + 2 * 6, tuple(
                     TimelineTask(t.task.stage, t.task.kind, t.task.micro_batch, t.start_s, t.end_s) for t in timed)))
+    return plan, timed
+
+
+def test_gantt_draws_one_bar_per_task(tmp_path):
+    from autopar.plan import Plan
+
+    plan, timed = _two_stage_plan()
     path = tmp_path / "gantt.png"
     bars = draw(plan, str(path))
     assert len(bars) == len(timeline_bars(plan)) == 2 * 2 * 3
@@ -80,3 +87,25 @@ def test_gantt_draws_one_bar_per_task(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="timeline"):
         timeline_bars(Plan("auto", "", {}, ()))
+
+
+def test_gantt_leaves_the_users_backend_and_figures_alone(tmp_path):
+    """In a notebook, switching the backend closes the user's figures and can end inline plots."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    plan, _ = _two_stage_plan()
+    before = matplotlib.get_backend()
+    plt.switch_backend("svg")                  # the user's choice, not the Agg that saving a PNG uses
+    try:
+        users = plt.figure().number
+        path = tmp_path / "gantt.pdf"
+        draw(plan, str(path))
+        assert path.read_bytes()[:5] == b"%PDF-"
+        fig = schedule_figure(plan)
+        assert (matplotlib.get_backend(), plt.get_fignums()) == ("svg", [users])
+        assert isinstance(fig, matplotlib.figure.Figure)
+        assert len(fig.axes[0].patches) == len(timeline_bars(plan))    # one bar per task
+    finally:
+        plt.close("all")
+        plt.switch_backend(before)

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from autopar.plan import Plan
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -24,17 +28,17 @@ def timeline_bars(plan: Plan) -> list[Bar]:
     return [Bar(t.stage, t.start_s, t.end_s - t.start_s, t.kind, t.micro_batch) for t in plan.pipeline.timeline]
 
 
-def draw(plan: Plan, path: str) -> list[Bar]:
-    """Draw the schedule stage by stage over time into an image file (PNG, SVG, PDF)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def schedule_figure(plan: Plan) -> Figure:
+    """The schedule drawn stage by stage over time, on a Figure made without pyplot: the
+    matplotlib backend and the open pyplot figures stay as they were (a notebook shows it)."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
 
     bars = timeline_bars(plan)
     S = len(plan.stages)
     B = plan.pipeline.num_micro_batches
-    fig, ax = plt.subplots(figsize=(10, 0.6 * S + 1.5))
+    fig = Figure(figsize=(10, 0.6 * S + 1.5), layout="tight")
+    ax = fig.subplots()
     colors = {"F": "#4c72b0", "B": "#dd8452"}
     for b in bars:
         ax.barh(b.stage, b.duration_s, left=b.start_s, color=colors[b.kind], edgecolor="black", height=0.8)
@@ -47,9 +51,15 @@ def draw(plan: Plan, path: str) -> list[Bar]:
     ax.invert_yaxis()
     ax.set_xlabel("predicted time (s)")
     ax.set_title(f"{plan.pipeline.schedule} schedule, {B} micro-batches, predicted {plan.predicted_time_s:.3g} s")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, ["forward", "backward"], loc="upper right")
-    fig.tight_layout()
+    ax.legend([Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], ["forward", "backward"], loc="upper right")
+    return fig
+
+
+def draw(plan: Plan, path: str) -> list[Bar]:
+    """Write `schedule_figure(plan)` to an image file (PNG, SVG, PDF); returns the bars drawn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = schedule_figure(plan)
+    FigureCanvasAgg(fig)
     fig.savefig(path)
-    plt.close(fig)
-    return bars
+    return timeline_bars(plan)
