@@ -24,7 +24,8 @@ def _fmt_s(t: float) -> str:
 
 def render_plan(plan, max_rows: int = 40, width: int = 160) -> str:
     buf = io.StringIO()
-    con = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    # force_jupyter=False: in Jupyter rich would display the tables itself and write nothing to buf
+    con = Console(file=buf, width=width, force_terminal=False, force_jupyter=False, color_system=None)
     head = (f"autopar plan (schema {plan.schema_version}) method={plan.method}  stages={len(plan.stages)}  "
             f"micro-batches={plan.num_micro_batches}  predicted step={_fmt_s(plan.predicted_time_s)}  "
             f"planned in {plan.planning_time_s:.2f} s")
