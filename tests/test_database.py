@@ -402,3 +402,25 @@ def test_cli_list_show_export_import(tmp_path, capsys):
     assert run_cli(["list", "--db", str(tmp_path / "absent.db")]) == 2
     assert "no tuning database" in capsys.readouterr().err
     assert not (tmp_path / "absent.db").exists()
+
+
+def test_cli_shows_gflops_of_records_made_by_tune(tmp_path, capsys):
+    """tune's records carry the task ({op, params, dtype}), not its FLOPs: the CLI counts them
+    from the task's compute definition, and GFLOP/s = FLOPs / the best latency shown."""
+    from search import Task, tune
+    from search.measure import MeasureOptions
+
+    task = Task.matmul(32, 32, 32)
+    path = str(tmp_path / "t.db")
+    fast = MeasureOptions(repeats=3, min_time_s=0.0, num_threads=1)    # one thread: us, not scheduler ticks
+    tune(task, trials=2, db=path, batch_size=2, measure_options=fast, policy="random", transfer=False)
+    with TuningDB(path) as db:
+        best = db.best(task.workload_key)
+    assert "flops" not in best.task and task.flops == 2 * 32**3
+    gflops = f"{task.flops / best.latency_s / 1e9:.2f}"
+    assert run_cli(["list", "--db", path]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if task.workload_key in line)
+    cells = [c.strip() for c in row.split("│")[1:-1]]
+    assert cells == [task.workload_key, "2", db_command._format_seconds(best.latency_s), gflops]
+    assert run_cli(["show", task.workload_key, "--db", path]) == 0
+    assert any(line.split() == ["GFLOP/s", gflops] for line in capsys.readouterr().out.splitlines())

@@ -18,6 +18,7 @@ from search.database import (
     ENV_VAR, SkippedRecordsWarning, TuningDB, TuningDBError, default_db_path, summarize_problems,
 )
 from search.record import TuningRecord
+from search.task import Task
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -239,10 +240,20 @@ def _format_seconds(seconds: float) -> str:
 def _gflops(record: TuningRecord | None) -> str:
     if record is None or not record.ok or record.latency_s <= 0:
         return "-"
-    flops = record.task.get("flops")
-    if isinstance(flops, bool) or not isinstance(flops, (int, float)):
-        return "-"
-    return f"{flops / record.latency_s / 1e9:.2f}"
+    flops = _task_flops(record.task)
+    return "-" if flops is None else f"{flops / record.latency_s / 1e9:.2f}"
+
+
+def _task_flops(task: dict[str, Any]) -> float | None:
+    """The FLOPs a record's task states, else those of its compute definition (`Task.flops`, as
+    `search.tune` stores {op, params, dtype}); None for a task neither describes."""
+    flops = task.get("flops")
+    if isinstance(flops, (int, float)) and not isinstance(flops, bool):
+        return flops
+    try:
+        return Task.from_dict(task).flops
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
 
 
 def _format_step(step: Any) -> str:
