@@ -3,6 +3,7 @@ from autopar.api import Parallelized, make_plan, parallelize
 from autopar.boundary import mark_stage_boundary
 from autopar.cluster import Cluster, LogicalMesh
 from autopar.intra_op import MemoryBudgetError
+from autopar.lost_update import NoUpdateReturnedError
 from autopar.methods import DataParallel, Megatron, MeshDivisibilityError, ShardParallel, ZeRO3
 from autopar.pipeline import PipeshardParallel, grad, value_and_grad
 from autopar.plan import Plan, PlanFileError
@@ -10,6 +11,7 @@ from search.database import TuningDB, TuningDBError
 
 __all__ = [
     "Cluster", "DataParallel", "LogicalMesh", "Megatron", "MemoryBudgetError", "MeshDivisibilityError",
-    "Parallelized", "PipeshardParallel", "Plan", "PlanFileError", "ShardParallel", "TuningDB", "TuningDBError",
-    "ZeRO3", "grad", "make_plan", "mark_stage_boundary", "parallelize", "value_and_grad",
+    "NoUpdateReturnedError", "Parallelized", "PipeshardParallel", "Plan", "PlanFileError", "ShardParallel",
+    "TuningDB", "TuningDBError", "ZeRO3", "grad", "make_plan", "mark_stage_boundary", "parallelize",
+    "value_and_grad",
 ]

@@ -15,6 +15,7 @@ import numpy as np
 from autopar.executable import LoweredStep
 from autopar.interface import PlanRequest
 from autopar.intra_op import MemoryBudgetError, ShardingPlan
+from autopar.lost_update import check_single_program_step
 from autopar.lower import build_mesh, sharded_function
 from autopar.plan import Plan, PlanFileError, RematAttempt, RematInfo
 from autopar.planner import InputInfo, input_infos, plan_single_stage, stage_plan, state_ties
@@ -59,6 +60,15 @@ def trace_step(fun, args: tuple, kwargs: dict) -> OpGraph:
     return trace_graph(fun, *jax.tree_util.tree_map(abstract, args), **jax.tree_util.tree_map(abstract, kwargs))
 
 
+def trace_checked_step(fun, args: tuple, kwargs: dict) -> OpGraph:
+    """`trace_step`, refusing a step that computes a gradient and returns nothing
+    computed from it (an nnx.jit-style step: it would train nothing; see `lost_update`)."""
+    args, kwargs = jax.tree_util.tree_map(abstract, args), jax.tree_util.tree_map(abstract, kwargs)
+    graph = trace_graph(fun, *args, **kwargs)
+    check_single_program_step(fun, args, kwargs, graph)
+    return graph
+
+
 def flat_indices(args: tuple, argnums: Sequence[int]) -> tuple[int, ...]:
     """Positions in the flattened arguments of the leaves of `args[argnums]`."""
     out, offset = [], 0
@@ -99,7 +109,7 @@ def _plan(method: Any, request: PlanRequest, costs: ShardingCosts, activation_sc
     if remat not in ("auto", "none", "full"):
         raise ValueError(f"remat={remat!r}: a single-program method takes 'auto', 'none' or 'full' (both of "
                          f"the others use rockmate); 'rockmate' fixes the per-stage choice of PipeshardParallel")
-    graph = trace_step(request.fun, args, kwargs)
+    graph = trace_checked_step(request.fun, args, kwargs)
     remat_info = RematInfo(mode=remat, applied="none")
     try:
         splan = plan_once(graph)
@@ -249,7 +259,7 @@ def restore(plan: Plan, request: PlanRequest) -> SingleStagePlanned:
     """A saved single-stage plan on the freshly traced step, checked against it."""
     if len(plan.stages) != 1 or plan.pipeline is not None:
         raise PlanFileError("this is a pipeline plan; reuse it with its pipeline method (plan=... picks it)")
-    graph = trace_step(request.fun, request.args, request.kwargs)
+    graph = trace_checked_step(request.fun, request.args, request.kwargs)
     if plan.remat is not None and plan.remat.applied == "rockmate":
         raise PlanFileError("this plan rescheduled the loss with rockmate; reusing such a plan is not supported: "
                             "re-plan (drop plan=...)")

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from autopar.lost_update import recording_in_place_changes, refuse_unused_gradient
 from autopar.pipeline.grad import GradCall, LossCaptured, capture_grads, pipeline_grad_p
 from rockmate.graph import OpGraph, graph_from_jaxpr, trace_graph
 
@@ -50,8 +51,11 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def _trace_with_grad(fun: Callable, args: Sequence[Any]) -> tuple[OpGraph, int, GradCall]:
+    """The step with its one gradient call as one op; refused when no output depends on
+    the gradient (an nnx.jit-style step, which would train nothing)."""
+    recorded, changes = recording_in_place_changes(fun)
     with capture_grads() as calls:
-        graph = trace_graph(fun, *args)
+        graph = trace_graph(recorded, *args)
         found = [op.index for op in graph.ops if op.primitive is pipeline_grad_p]
         if len(found) != 1 or len(calls) != 1:
             raise ValueError(
@@ -61,6 +65,7 @@ def _trace_with_grad(fun: Callable, args: Sequence[Any]) -> tuple[OpGraph, int, 
                 f"found {len(found)}. A gradient from jax.vjp or a custom transformation is invisible: "
                 f"wrap the loss in autopar.value_and_grad to mark it")
         call = calls[0]
+    refuse_unused_gradient(graph, graph.ops[found[0]], changes)
     return graph, found[0], call
 
 
