@@ -99,6 +99,7 @@ class PipeshardParallel:
         t0 = time.perf_counter()
         planner = self._planner(request)
         decision = planner.plan()
+        _check_loss_is_batch_mean(planner, decision.traced)
         ids = request.device_ids or tuple(range(request.cluster.num_devices))
         plan = to_plan(decision, method_name=self.name, schedule=self.schedule, signature=request.signature,
                        cluster=planner.cluster, memory_budget_bytes=request.memory_budget_bytes, device_ids=ids,
@@ -116,6 +117,7 @@ class PipeshardParallel:
         planner = self._planner(request)
         devices = request.devices or ()
         traced, stages = restore(plan, planner, {d.id: d for d in devices})
+        _check_loss_is_batch_mean(planner, traced)
         index = {d.id: k for k, d in enumerate(devices)}
         return PipelinePlanned(plan, traced, tuple((s.layers, s.layouts, tuple(index[d.id] for d in s.devices),
                                                     s.mesh_shape) for s in stages), planner)
@@ -130,6 +132,14 @@ class PipeshardParallel:
                                   planned.traced.num_micro_batches)
                     for layers, layouts, ids, shape in planned.stages]
         return PipeshardExecutable(planned.plan, planned.traced, programs, devices)
+
+
+def _check_loss_is_batch_mean(planner: Any, traced: Any) -> None:
+    """Warn when micro-batching changes the loss (`loss_check`): the loss at the full
+    batch, with the inputs this plan splits into micro-batches."""
+    from autopar.pipeline.loss_check import warn_if_not_batch_mean
+
+    warn_if_not_batch_mean(planner.tracer.at(1).loss, traced.split_mask, traced.num_micro_batches)
 
 
 @dataclass(frozen=True)
