@@ -300,3 +300,30 @@ def test_optimizer_state_is_counted_per_parameter_byte():
     for opt, want in ((optax.sgd(0.1), 0.0), (optax.adamw(1e-3), 2.0)):
         state, batch = init_state(opt), make_batch(jax.random.PRNGKey(0), 4)
         assert optimizer_state_factor(StepTracer(make_step(opt), (state, batch))) == pytest.approx(want, rel=1e-6)
+
+
+def test_a_method_reuses_its_layer_solutions_across_planning_runs():
+    """Layer ILPs depend on layer content and mesh only: planning again with the same
+    PipeshardParallel solves none of the layers it solved before (the same request: no
+    solve at all; a tighter budget: only the new sharded and remat variants), and each plan
+    equals what a fresh method plans."""
+    import autopar
+
+    opt = optax.sgd(0.1)
+    state, batch = init_state(opt), make_batch(jax.random.PRNGKey(0), 8)
+    step = make_step(opt)
+    kw = dict(num_micro_batches=2, num_stages=2)
+    method = autopar.PipeshardParallel(**kw)
+    plan = lambda m, **b: autopar.make_plan(step, state, batch, cluster="1x4:a100-80g", method=m, **b)
+    first = plan(method)
+    repeat = plan(method)
+    budget = int(0.8 * max(s.memory_bytes for s in first.stages))
+    tight = plan(method, memory_budget=budget)
+    fresh = plan(autopar.PipeshardParallel(**kw), memory_budget=budget)
+    describe = lambda p: (p.predicted_time_s, [(s.layer_range, s.mesh_shape, s.param_mode, s.remat.mode)
+                                               for s in p.stages])
+    assert first.pipeline.search.ilp_solves > 0 and repeat.pipeline.search.ilp_solves == 0
+    assert describe(repeat) == describe(first)
+    assert 0 <= tight.pipeline.search.ilp_solves < fresh.pipeline.search.ilp_solves
+    assert describe(tight) == describe(fresh)
+    assert method == autopar.PipeshardParallel(**kw)      # the cache is not part of the method's value

@@ -174,8 +174,9 @@ def _op_time(plan: ShardingPlan, index: int) -> float:
 class LayerSolver:
     """Layer ILP solutions cached by layer content and logical mesh (identical layers on
     the same mesh are one solve), their roofline bounds, and the strategies and reshard
-    costs the ILPs and stage compositions share (`costs`). Lives as long as one planning
-    run."""
+    costs the ILPs and stage compositions share (`costs`). Everything is keyed by content,
+    so it lives as long as the `PipeshardParallel` that owns it and serves all of that
+    method's planning runs."""
 
     def __init__(self, time_limit_s: float = 30.0, solver: str = "highs"):
         self.time_limit_s, self.solver = time_limit_s, solver

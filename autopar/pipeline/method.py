@@ -3,7 +3,7 @@ build (the `autopar.interface.Method` protocol)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from autopar.pipeline.schedule import SCHEDULES
@@ -41,6 +41,9 @@ class PipeshardParallel:
     solver: str = "highs-lp"
     time_limit_s: float = 30.0
     planning_tolerance: float = 0.02
+    # the layer ILP solutions of every plan this method makes (keyed by content and mesh):
+    # planning again under another budget, cluster or batch reuses them
+    _layer_solver: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         B = self.num_micro_batches
@@ -82,6 +85,7 @@ class PipeshardParallel:
         return Cluster(c.device, n // self.devices_per_host, self.devices_per_host, c.intra_host, c.inter_host)
 
     def _planner(self, request: Any) -> Any:
+        from autopar.pipeline.layer_cost import LayerSolver
         from autopar.pipeline.planner import PipelinePlanner
         from autopar.pipeline.trace import StepTracer
 
@@ -89,8 +93,10 @@ class PipeshardParallel:
             raise TypeError("PipeshardParallel steps take positional arguments only")
         cluster = self._cluster(request)
         limit = request.memory_budget_bytes if request.memory_budget_bytes is not None else cluster.device.memory_bytes
+        if self._layer_solver is None:
+            object.__setattr__(self, "_layer_solver", LayerSolver(time_limit_s=self.time_limit_s, solver=self.solver))
         return PipelinePlanner(StepTracer(request.fun, request.args, request.batch_argnums), self, cluster, limit,
-                               time_limit_s=self.time_limit_s, remat=request.remat)
+                               time_limit_s=self.time_limit_s, remat=request.remat, solver=self._layer_solver)
 
     def plan(self, request: Any) -> Any:
         """Trace, run the joint planner and record the decision as a Plan."""

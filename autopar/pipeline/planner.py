@@ -357,13 +357,17 @@ class PipelinePlanner:
     graphs, ILP solves) live as long as it does."""
 
     def __init__(self, tracer: StepTracer, method: PipeshardParallel, cluster: Cluster,
-                 memory_limit_bytes: float, time_limit_s: float = 30.0, remat: str = "auto"):
+                 memory_limit_bytes: float, time_limit_s: float = 30.0, remat: str = "auto",
+                 solver: LayerSolver | None = None):
         self.tracer, self.method, self.cluster = tracer, method, cluster
         if remat not in ("auto", *REMAT_OPTIONS):
             raise ValueError(f"remat={remat!r}; use 'auto', 'none', 'rockmate' or 'full'")
         self.remat_options = REMAT_OPTIONS if remat == "auto" else (remat,)
         self.memory_limit_bytes = memory_limit_bytes
-        self.solver = LayerSolver(time_limit_s=time_limit_s, solver=method.solver)
+        # the layer ILPs depend on layer content and mesh only: a solver kept by the method
+        # serves every planning run it makes (another budget, cluster or batch)
+        self.solver = solver if solver is not None else LayerSolver(time_limit_s=time_limit_s, solver=method.solver)
+        self._solves_before = self.solver.solves
         self._layer_graphs: dict[tuple[int, str, str], Any] = {}
         self.state_factor = optimizer_state_factor(tracer)
         self.dp_runs = 0
@@ -564,7 +568,7 @@ class PipelinePlanner:
         cand, res = self.problem(*key), results[key]
         decision = self._decide(cand, res)
         search = {"micro_batch_candidates": tuple(Bs), "micro_batch_evaluated": tuple(sorted({k[0] for k in priced})),
-                  "layer_counts": tuple(len(c) - 1 for c in cut_options), "ilp_solves": self.solver.solves,
+                  "layer_counts": tuple(len(c) - 1 for c in cut_options), "ilp_solves": self.solver.solves - self._solves_before,
                   "dp_runs": self.dp_runs, "meshes_priced": sum(p.meshes_priced for p in self._problems.values())}
         return PipelineDecision(cand.traced, tuple(cand.cuts), decision, cand.B, res.latency_s, search)
 
