@@ -8,15 +8,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from autopar.pipeline.grad import value_and_grad
-
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:
     """step(state, batch) -> (new_state, loss) with state = (params, opt_state)."""
     def step(state, batch):
         params, opt_state = state
-        # autopar's value_and_grad is jax's, but lets pipelines and remat find the loss
-        loss, grads = value_and_grad(loss_fn)(params, batch)
+        # plain JAX: pipelines and remat find the loss of this call while they trace
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
     return step
