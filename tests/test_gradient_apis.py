@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import flax.linen as nn
 from flax import nnx
 from jax._src import api as jax_api
 
@@ -167,3 +168,57 @@ def test_an_invisible_gradient_gets_a_clear_error_and_jax_is_left_as_it_was():
     # outside autopar, jax.value_and_grad is untouched
     v, g = jax.value_and_grad(loss_fn)(state[0], batch)
     np.testing.assert_allclose(v, loss_fn(state[0], batch), rtol=1e-6)
+
+
+class _DropoutLM(nn.Module):
+    """A small linen LM with dropout after every block."""
+    vocab: int = 32
+    width: int = 32
+    layers: int = 4
+
+    @nn.compact
+    def __call__(self, tokens, train: bool):
+        x = nn.Embed(self.vocab, self.width)(tokens)
+        for _ in range(self.layers):
+            x = x + nn.Dropout(0.2, deterministic=not train)(nn.gelu(nn.Dense(self.width)(nn.LayerNorm()(x))))
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def _dropout_step(model, opt, train):
+    def step(state, batch):
+        params, opt_state, key = state
+        key, sub = jax.random.split(key)
+
+        def loss(p):
+            logits = model.apply(p, batch["tokens"], train, rngs={"dropout": sub})
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, key), value
+    return step
+
+
+@pytest.mark.parametrize("method", ["auto", "pipeline"])
+def test_a_linen_lm_with_dropout_and_a_key_in_the_state(method):
+    """Plain flax linen + jax.value_and_grad, the dropout key kept in the state: the
+    default method with dropout on, and a 2-stage pipeline with dropout off (each
+    micro-batch would draw its own mask: equal only in distribution), equal one device
+    for two consecutive steps, keys included."""
+    model, opt = _DropoutLM(), optax.adamw(1e-2)
+    batch = make_batch(jax.random.PRNGKey(7), 8)
+    batch = {k: v % 32 for k, v in batch.items()}
+    params = model.init(jax.random.PRNGKey(0), batch["tokens"], False)
+    state = (params, opt.init(params), jax.random.key(3))
+    step = _dropout_step(model, opt, train=method == "auto")
+    pstep = autopar.parallelize(step, **({} if method == "auto" else dict(
+        method=autopar.PipeshardParallel(num_micro_batches=2, num_stages=2))))
+    got, want = state, state
+    for _ in range(2):
+        got, loss = pstep(got, batch)
+        want, ref = jax.jit(step)(want, batch)
+        _assert_close(loss, ref)
+        _assert_close(got[:2], want[:2], rtol=2e-4)
+        np.testing.assert_array_equal(jax.random.key_data(got[2]), jax.random.key_data(want[2]))
+    if method == "pipeline":
+        assert len(pstep.get_plan(state, batch).stages) == 2
