@@ -13,13 +13,24 @@ from autopar.executable import LoweredStep
 from autopar.interface import PlanRequest, check_devices
 from autopar.methods import method_for_plan, resolve_method
 from autopar.plan import Plan, PlanFileError
+from autopar.static_leaves import SplitCall, StaticStep, describe_static, split_call, traced_mask
 
 
 def signature_of(args: tuple, kwargs: dict) -> str:
-    """Input signature a plan is cached under: pytree structure, shapes and dtypes."""
+    """Input signature a plan is cached under: pytree structure, shapes and dtypes of the
+    traced leaves, and a description of each static leaf (see `static_leaves`)."""
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-    shapes = ",".join(f"{jax.numpy.result_type(l).name}{list(np.shape(l))}" for l in leaves)
+    shapes = ",".join(f"{jax.numpy.result_type(l).name}{list(np.shape(l))}" if traced
+                      else f"static:{describe_static(l)}" for l, traced in zip(leaves, traced_mask((args, kwargs))))
     return f"{tree}|{shapes}"
+
+
+def plan_request(fun: Callable, call: SplitCall, signature: str, **options) -> tuple[PlanRequest, StaticStep]:
+    """Where a step's arguments enter autopar, for every method: the request holds the
+    traced parts of the arguments and the step as a function of them (`StaticStep`, which
+    closes over the static leaves and keeps the static outputs for `StaticStep.outputs`)."""
+    step = StaticStep(fun, call)
+    return PlanRequest(fun=step, args=call.args, kwargs=call.kwargs, signature=signature, **options), step
 
 
 class Parallelized:
@@ -42,22 +53,24 @@ class Parallelized:
         if plan is not None and not isinstance(plan, Plan):
             raise TypeError(f"plan= takes an autopar.Plan or the path of a saved one, got {type(plan).__name__}")
         self.fixed_plan: Plan | None = plan
-        self._cache: dict[str, Any] = {}      # input signature -> Executable
+        # (input signature, static leaves) -> (Executable, the step it traced)
+        self._cache: dict[tuple, tuple[Any, StaticStep]] = {}
         self.plan: Plan | None = None
         functools.update_wrapper(self, fun)
 
-    def _request(self, args: tuple, kwargs: dict, sig: str) -> PlanRequest:
-        devices = self.devices if self.devices is not None else list(jax.devices())
-        return PlanRequest(fun=self.fun, args=args, kwargs=kwargs, cluster=Cluster.from_devices(devices), signature=sig,
-                           memory_budget_bytes=self.memory_budget_bytes, batch_argnums=self.batch_argnums,
-                           remat=self.remat, devices=tuple(devices), donate_argnums=self.donate_argnums,
-                           tuning_db=self.tuning_db, device_ids=tuple(d.id for d in devices))
-
-    def _executable(self, args: tuple, kwargs: dict) -> Any:
+    def _entry(self, args: tuple, kwargs: dict) -> tuple[Any, StaticStep, SplitCall]:
+        """The executable for these inputs (planned or restored on a cache miss), the step
+        it traced, and the call's arguments split for it."""
+        call = split_call(args, kwargs)
         sig = signature_of(args, kwargs)
-        exe = self._cache.get(sig)
-        if exe is None:
-            request = self._request(args, kwargs, sig)
+        key = (sig, call.cache_key)
+        if key not in self._cache:
+            devices = self.devices if self.devices is not None else list(jax.devices())
+            request, step = plan_request(
+                self.fun, call, sig, cluster=Cluster.from_devices(devices),
+                memory_budget_bytes=self.memory_budget_bytes, batch_argnums=self.batch_argnums, remat=self.remat,
+                devices=tuple(devices), donate_argnums=self.donate_argnums, tuning_db=self.tuning_db,
+                device_ids=tuple(d.id for d in devices))
             if self.fixed_plan is not None:
                 if self.fixed_plan.signature != sig:
                     raise PlanFileError("the saved plan was made for inputs with a different signature:\n"
@@ -68,21 +81,27 @@ class Parallelized:
             else:
                 method = self.method
                 planned = method.plan(request)
-            exe = self._cache[sig] = method.build(planned, request)
-        return exe
+            self._cache[key] = (method.build(planned, request), step)
+        exe, step = self._cache[key]
+        return exe, step, call
+
+    def _executable(self, args: tuple, kwargs: dict) -> Any:
+        """The method's executable for these inputs; it takes `split_call(args, kwargs).args`."""
+        return self._entry(args, kwargs)[0]
 
     def get_plan(self, *args, **kwargs) -> Plan:
         """Plan (or fetch the cached plan) without running."""
         return self._executable(args, kwargs).plan
 
     def lower(self, *args, **kwargs) -> LoweredStep:
-        return self._executable(args, kwargs).lower(*args, **kwargs)
+        exe, _, call = self._entry(args, kwargs)
+        return exe.lower(*call.args, **call.kwargs)
 
     def __call__(self, *args, **kwargs):
-        exe = self._executable(args, kwargs)
-        out = exe(*args, **kwargs)
+        exe, step, call = self._entry(args, kwargs)
+        out = exe(*call.args, **call.kwargs)
         self.plan = exe.plan
-        return out
+        return step.outputs(out)
 
 
 def make_plan(fun: Callable, *args, cluster: Cluster | str, method="auto", memory_budget=None,
@@ -91,8 +110,8 @@ def make_plan(fun: Callable, *args, cluster: Cluster | str, method="auto", memor
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
     budget = parse_memory(memory_budget) if memory_budget is not None else None
-    request = PlanRequest(fun=fun, args=args, kwargs=kwargs, cluster=cluster, signature=signature_of(args, kwargs),
-                          memory_budget_bytes=budget, batch_argnums=tuple(batch_argnums), remat=remat)
+    request, _ = plan_request(fun, split_call(args, kwargs), signature_of(args, kwargs), cluster=cluster,
+                              memory_budget_bytes=budget, batch_argnums=tuple(batch_argnums), remat=remat)
     return resolve_method(method).plan(request).plan
 
 

@@ -138,8 +138,10 @@ def check_plan(fun: Callable, *args: Any, plan: Plan, devices: Sequence[Any] | N
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={plan.num_devices} before jax starts")
     step = Parallelized(fun, devices=devices[:plan.num_devices], plan=_on_devices(plan, devices),
                         batch_argnums=batch_argnums)
+    from autopar.static_leaves import split_call
+
     exe = step._executable(args, {})
-    return check_executable(exe, args)
+    return check_executable(exe, split_call(args, {}).args)
 
 
 def _on_devices(plan: Plan, devices: Sequence[Any]) -> Plan:

@@ -18,7 +18,10 @@ from autopar.plan import Plan
 class PlanRequest:
     """One train step to plan: the function, example inputs (arrays or ShapeDtypeStructs),
     the cluster, and the user's options. `devices` is None when planning for a cluster
-    that is not here (nothing can be compiled then)."""
+    that is not here (nothing can be compiled then). Made by `autopar.api.plan_request`:
+    `args`/`kwargs` hold only traced leaves (static ones, such as an equinox module's
+    activation functions, are None there) and `fun` takes them (`static_leaves.StaticStep`);
+    `signature` describes the whole inputs, static leaves included."""
 
     fun: Callable[..., Any]
     args: tuple
