@@ -15,8 +15,8 @@ from autopar.cli import main
 from models import assert_tree_close, make
 
 
-def _dropout_step():
-    """An MLP with dropout; the PRNG key (a typed key array) is part of the state."""
+def _dropout_step(typed: bool = True):
+    """An MLP with dropout; the PRNG key (typed, or a raw uint32 key) is part of the state."""
     opt = optax.sgd(0.1)
     params = {"w1": jnp.ones((16, 32)) * 0.1, "w2": jnp.ones((32, 4)) * 0.1}
 
@@ -30,22 +30,30 @@ def _dropout_step():
     def step(state, batch):
         p, o, key = state
         key, sub = jax.random.split(key)
-        loss, g = autopar.value_and_grad(loss_fn)(p, batch, sub)
+        loss, g = jax.value_and_grad(loss_fn)(p, batch, sub)
         u, o = opt.update(g, o, p)
         return (optax.apply_updates(p, u), o, key), loss
 
     x = jax.random.normal(jax.random.PRNGKey(1), (8, 16))
     y = jax.random.normal(jax.random.PRNGKey(2), (8, 4))
-    return step, (params, opt.init(params), jax.random.key(0)), (x, y)
+    key = jax.random.key(0) if typed else jax.random.PRNGKey(0)
+    return step, (params, opt.init(params), key), (x, y)
 
 
-def test_a_step_with_a_typed_prng_key_plans_and_matches_one_device():
-    step, state, batch = _dropout_step()
-    (p1, _, k1), loss = autopar.parallelize(step)(state, batch)
+@pytest.mark.parametrize("method", ["auto", "data_parallel", "zero3", "megatron"])
+@pytest.mark.parametrize("typed", [True, False])
+def test_a_step_with_a_prng_key_plans_and_matches_one_device(method, typed):
+    """Dropout drawn from a key kept in the state, typed or raw, under every single-program
+    method: the same mask as one device (RNG ops run replicated), so equal results."""
+    step, state, batch = _dropout_step(typed)
+    m = {"auto": "auto", "data_parallel": autopar.DataParallel(), "zero3": autopar.ZeRO3(),
+         "megatron": autopar.Megatron(tp=2)}[method]
+    (p1, _, k1), loss = autopar.parallelize(step, method=m)(state, batch)
     (p2, _, k2), ref = jax.jit(step)(state, batch)
     assert_tree_close(loss, ref)
     assert_tree_close(p1, p2)
-    np.testing.assert_array_equal(jax.random.key_data(k1), jax.random.key_data(k2))
+    unwrap = jax.random.key_data if typed else np.asarray
+    np.testing.assert_array_equal(unwrap(k1), unwrap(k2))
 
 
 @pytest.mark.parametrize("devices,error,match", [
