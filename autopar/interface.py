@@ -9,9 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+import jax
+import numpy as np
+
 from autopar.cluster import Cluster
 from autopar.executable import LoweredStep
 from autopar.plan import Plan
+
+
+def abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """A ShapeDtypeStruct of an array (kept as is if it already is one): methods trace and
+    plan on these, so a step can be planned for arrays that are never allocated."""
+    return x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from autopar.executable import LoweredStep
-from autopar.interface import PlanRequest
+from autopar.interface import PlanRequest, abstract
 from autopar.intra_op import MemoryBudgetError, ShardingPlan
 from autopar.lost_update import check_single_program_step
 from autopar.lower import build_mesh, sharded_function
@@ -49,11 +49,6 @@ class SingleStageExecutable:
 
     def lower(self, *args, **kwargs) -> LoweredStep:
         return LoweredStep([self.jitted.lower(*jax.tree_util.tree_leaves((args, kwargs)))])
-
-
-def abstract(x: Any) -> Any:
-    """A ShapeDtypeStruct of an array (kept as is if it already is one)."""
-    return x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
 
 
 def trace_step(fun, args: tuple, kwargs: dict) -> OpGraph:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from autopar.interface import abstract
 from autopar.lost_update import recording_in_place_changes, refuse_unused_gradient
 from autopar.pipeline.grad import GradCall, LossCaptured, capture_grads, pipeline_grad_p
 from rockmate.graph import OpGraph, graph_from_jaxpr, trace_graph
@@ -44,10 +45,6 @@ class TracedStep:
         """Leading dimension of the split loss inputs (None when nothing is split)."""
         sizes = {self.loss.vars[v].shape[0] for v, s in zip(self.loss.invars, self.split_mask) if s}
         return min(sizes) if sizes else None
-
-
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    return x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
 
 
 def _trace_with_grad(fun: Callable, args: Sequence[Any]) -> tuple[OpGraph, int, GradCall]:
@@ -89,7 +86,7 @@ class StepTracer:
 
     def __init__(self, fun: Callable[..., Any], args: Sequence[Any], batch_argnums: Sequence[int] = (1,)):
         self.fun = fun
-        self.args = jax.tree_util.tree_map(_abstract, tuple(args))
+        self.args = jax.tree_util.tree_map(abstract, tuple(args))
         self.batch_argnums = tuple(batch_argnums)
         self.step, self.grad_op, self.call = _trace_with_grad(fun, self.args)
         offsets = [0]
