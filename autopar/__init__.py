@@ -1,5 +1,6 @@
 """autopar: automatic parallelization of JAX train steps."""
 from autopar.api import Parallelized, make_plan, parallelize
+from autopar.attention import causal_attention
 from autopar.boundary import mark_stage_boundary
 from autopar.cluster import Cluster, LogicalMesh
 from autopar.intra_op import MemoryBudgetError
@@ -12,6 +13,6 @@ from search.database import TuningDB, TuningDBError
 __all__ = [
     "Cluster", "DataParallel", "LogicalMesh", "Megatron", "MemoryBudgetError", "MeshDivisibilityError",
     "NoUpdateReturnedError", "Parallelized", "PipeshardParallel", "Plan", "PlanFileError", "ShardParallel",
-    "TuningDB", "TuningDBError", "ZeRO3", "grad", "make_plan", "mark_stage_boundary", "parallelize",
+    "TuningDB", "TuningDBError", "ZeRO3", "causal_attention", "grad", "make_plan", "mark_stage_boundary", "parallelize",
     "value_and_grad",
 ]

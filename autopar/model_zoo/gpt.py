@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from autopar.model_zoo.train_step import abstract_language_model_setup, language_model_setup
-from autopar.model_zoo.transformer import causal_attention, dense_ffn
+from autopar.model_zoo.transformer import attention_sublayer, dense_ffn
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = causal_attention(x, self.cfg.heads, self.cfg.dtype)
+        x = attention_sublayer(x, self.cfg.heads, self.cfg.dtype)
         return dense_ffn(x, 4 * x.shape[-1], self.cfg.dtype)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from autopar.model_zoo.train_step import abstract_language_model_setup, cross_entropy, language_model_setup
-from autopar.model_zoo.transformer import causal_attention, dense_ffn
+from autopar.model_zoo.transformer import attention_sublayer, dense_ffn
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class DenseLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = causal_attention(x, self.cfg.heads, self.cfg.dtype)
+        x = attention_sublayer(x, self.cfg.heads, self.cfg.dtype)
         return dense_ffn(x, self.cfg.ffn_factor * x.shape[-1], self.cfg.dtype)
 
 
@@ -162,7 +162,7 @@ class MoELayer(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = causal_attention(x, self.cfg.heads, self.cfg.dtype)
+        x = attention_sublayer(x, self.cfg.heads, self.cfg.dtype)
         y, aux = MoEFeedForward(self.cfg, name="moe")(nn.LayerNorm(dtype=self.cfg.dtype)(x))
         return x + y, aux
 

@@ -11,20 +11,19 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from autopar.attention import causal_attention
 
-def causal_attention(x: jax.Array, heads: int, dtype: Any) -> jax.Array:
-    """x + multi-head causal self-attention of LayerNorm(x); x is [batch, seq, hidden]."""
+
+def attention_sublayer(x: jax.Array, heads: int, dtype: Any) -> jax.Array:
+    """x + multi-head causal self-attention of LayerNorm(x); x is [batch, seq, hidden].
+    The attention is `autopar.causal_attention`, so the models can be token-pipelined."""
     b, t, d = x.shape
     h = nn.LayerNorm(dtype=dtype)(x)
     qkv = nn.Dense(3 * d, dtype=dtype, name="qkv")(h)
     q, k, v = jnp.split(qkv, 3, axis=-1)
     hd = d // heads
     q, k, v = (z.reshape(b, t, heads, hd) for z in (q, k, v))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(dtype)
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    scores = jnp.where(mask, scores, jnp.finfo(dtype).min)
-    att = jax.nn.softmax(scores, axis=-1)
-    o = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d)
+    o = causal_attention(q, k, v).reshape(b, t, d)
     return x + nn.Dense(d, dtype=dtype, name="proj")(o)
 
 

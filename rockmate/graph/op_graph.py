@@ -121,6 +121,8 @@ class OpGraph:
     literals: dict[int, Any] = field(default_factory=dict)  # var id -> python/numpy scalar or array
     in_tree: Any = None          # pytree structure of the (args, kwargs) that were traced
     out_tree: Any = None         # pytree structure of the outputs
+    # marked calls (`trace_graph(mark_calls=...)`): mark -> (input var ids, output var ids)
+    call_io: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
 
     def producer(self) -> dict[int, int]:
         """Map var id -> index of the op that produces it."""

@@ -77,7 +77,8 @@ def graph_from_jaxpr(closed_jaxpr: Any, keep_custom_rules: bool = False, mark_ca
     jaxpr, consts = _open(closed_jaxpr)
     invars = [builder.new_var(v) for v in jaxpr.invars]
     outvars = builder.emit(jaxpr, consts, invars)
-    return OpGraph(vars=builder.vars, ops=builder.ops, invars=invars, outvars=outvars, literals=builder.literals)
+    return OpGraph(vars=builder.vars, ops=builder.ops, invars=invars, outvars=outvars, literals=builder.literals,
+                   call_io=builder.call_io)
 
 
 def _open(j: Any) -> tuple[Any, Sequence[Any]]:
@@ -125,6 +126,7 @@ class _Builder:
         self.literals: dict[int, Any] = {}
         self.ops: list[Op] = []
         self.env: dict[Any, int] = {}
+        self.call_io: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def new_var(self, v: Any) -> int:
         vid = len(self.vars)
@@ -168,6 +170,8 @@ class _Builder:
                     self.marks += 1
                     self.mark = self.marks
                 outs = self.emit(inner, inner_consts, inputs)
+                if self.mark is not None and outer_mark is None:
+                    self.call_io[self.mark] = (tuple(inputs), tuple(outs))
                 self.mark = outer_mark
                 for outer, vid in zip(eqn.outvars, outs):
                     if not isinstance(outer, jcore.DropVar):
