@@ -131,6 +131,8 @@ class LinkSpec:
 # Datasheet numbers. Dense (no structured sparsity) peaks. GPU memory is the capacity the
 # driver reports (nvidia-smi "Total", in MiB); TPU memory is the HBM size per chip.
 #
+# NVIDIA V100 datasheet (SXM2): FP64 7.8 TF, FP32 15.7 TF, FP16 tensor core 125 TF (no bf16);
+#   16GB HBM2 900 GB/s (the driver reports 16160 MiB).
 # NVIDIA A100 datasheet (SXM4): FP64 tensor core 19.5 TF, FP32 19.5 TF, TF32 156 TF,
 #   BF16/FP16 312 TF, INT8 624 TOPS; 40GB HBM2 1,555 GB/s; 80GB HBM2e 2,039 GB/s.
 # NVIDIA H100 datasheet (SXM5): FP64 tensor core 67 TF, FP32 67 TF, TF32 494.7 TF,
@@ -144,6 +146,10 @@ class LinkSpec:
 # "cpu" is a nominal host device (one simulated XLA CPU device), not a datasheet part:
 #   use `autopar.calibrate` to replace its link numbers with measured ones.
 # ---------------------------------------------------------------------------------------
+
+def _v100(name: str, memory_bytes: int) -> DeviceSpec:
+    return DeviceSpec(name, {"float64": 7.8e12, "float32": 15.7e12, "float16": 125e12}, memory_bytes, 900e9)
+
 
 def _a100(name: str, memory_bytes: int, bandwidth_Bps: float) -> DeviceSpec:
     return DeviceSpec(name, {"float64": 19.5e12, "float32": 19.5e12, "tensorfloat32": 156e12,
@@ -167,6 +173,7 @@ def _tpu(name: str, bf16: float, int8: float, memory_bytes: int, bandwidth_Bps: 
 PRESETS: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec("cpu", {"float64": 5e10, "float32": 1e11, "bfloat16": 5e10,
                               "float16": 5e10}, 16 * GiB, 2e10),
+    "v100-16g": _v100("v100-16g", 16160 * MiB),
     "a100-40g": _a100("a100-40g", 40960 * MiB, 1555e9),
     "a100-80g": _a100("a100-80g", 81920 * MiB, 2039e9),
     "h100": _hopper("h100", 81559 * MiB, 3.35e12),
@@ -178,12 +185,16 @@ PRESETS: dict[str, DeviceSpec] = {
 
 # Other spellings accepted by `Cluster.preset` / `Cluster.parse`.
 ALIASES: dict[str, str] = {
+    "v100": "v100-16g", "v100-16gb": "v100-16g", "p3.16xlarge": "v100-16g",
     "a100": "a100-80g", "a100-80gb": "a100-80g", "a100-40gb": "a100-40g",
     "h100-80g": "h100", "h100-sxm": "h100", "h200-141g": "h200", "h200-sxm": "h200",
     "v4": "tpu-v4", "v5e": "tpu-v5e", "tpu-v5-lite": "tpu-v5e", "v5p": "tpu-v5p", "host": "cpu",
 }
 
 # Links per preset: (intra_host, inter_host), bandwidth per device and direction.
+#   p3.16xlarge (TeraPipe's hosts): NVLink2 hybrid cube mesh, 6 links x 25 GB/s per V100
+#     per direction, not every pair directly linked: about 130 GB/s for a ring over all 8;
+#     25 Gbps Ethernet per host shared by its 8 GPUs -> 3.125 GB/s / 8 per device.
 #   DGX A100: NVLink3 600 GB/s bidirectional per GPU -> 300 GB/s per direction;
 #     one HDR InfiniBand 200 Gb/s NIC per GPU -> 25 GB/s.
 #   DGX H100/H200: NVLink4 900 GB/s bidirectional -> 450 GB/s; NDR 400 Gb/s per GPU -> 50 GB/s.
@@ -198,6 +209,7 @@ _NVLINK4 = LinkSpec(450e9, 5e-6)
 _HDR_IB = LinkSpec(25e9, 1e-5)
 _NDR_IB = LinkSpec(50e9, 1e-5)
 LINK_PRESETS: dict[str, tuple[LinkSpec, LinkSpec]] = {
+    "v100-16g": (LinkSpec(130e9, 5e-6), LinkSpec(3.125e9 / 8, 3e-5)),
     "cpu": (LinkSpec(1e9, 5e-5), LinkSpec(1.25e9, 5e-5)),
     "a100-40g": (_NVLINK3, _HDR_IB),
     "a100-80g": (_NVLINK3, _HDR_IB),
@@ -231,6 +243,8 @@ def preset_for_device_kind(platform: str, device_kind: str) -> str:
             return "h200"
         if "h100" in kind:
             return "h100"
+        if "v100" in kind:
+            return "v100-16g"
         if "a100" in kind:
             return "a100-80g" if "80g" in kind else "a100-40g"
     if platform == "tpu":

@@ -130,13 +130,15 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class TimelineTask:
-    """A forward ("F") or backward ("B") pass of one micro-batch on one stage, as simulated."""
+    """A forward ("F") or backward ("B") pass of one micro-batch (token slice `slice` of it,
+    with token slicing) on one stage, as simulated."""
 
     stage: int
     kind: str
     micro_batch: int
     start_s: float
     end_s: float
+    slice: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,23 @@ class PipelineSearch:
 
 
 @dataclass(frozen=True)
+class TokenSlicing:
+    """Token-level pipelining (TeraPipe): the batch split into micro-batches of these sizes,
+    each sequence cut into these slices (token counts), run through the stages in order."""
+
+    seq_len: int
+    micro_batch_sizes: tuple[int, ...]
+    slices: tuple[tuple[int, ...], ...]          # per micro-batch
+    predicted_step_s: float
+    unsliced_step_s: float                       # the same stages with whole sequences (same cost model)
+    bounds_tried: int = 0
+
+    @property
+    def num_items(self) -> int:
+        return sum(len(s) for s in self.slices)
+
+
+@dataclass(frozen=True)
 class PipelinePlan:
     """The inter-op part of a pipeline plan: layers, micro-batches, schedule, timeline."""
 
@@ -162,6 +181,7 @@ class PipelinePlan:
     predicted_step_s: float
     timeline: tuple[TimelineTask, ...] = ()
     search: PipelineSearch | None = None
+    token_slices: TokenSlicing | None = None
 
     @property
     def num_layers(self) -> int:

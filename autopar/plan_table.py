@@ -74,6 +74,14 @@ def _pipeline_tables(con: Console, plan) -> None:
     p = plan.pipeline
     con.print(f"pipeline: schedule={p.schedule}  micro-batches={p.num_micro_batches} of {p.micro_batch_size}  "
               f"layers={p.num_layers}")
+    if p.token_slices is not None:
+        t = p.token_slices
+        groups: dict[tuple, list[int]] = {}
+        for b, sl in zip(t.micro_batch_sizes, t.slices):
+            groups.setdefault((b, tuple(sl)), []).append(b)
+        shown = "; ".join(f"{len(v)} x {b} seqs in slices {list(sl)}" for (b, sl), v in groups.items())
+        con.print(f"token slices (TeraPipe, {t.seq_len} tokens): {shown}; predicted step {_fmt_s(t.predicted_step_s)} "
+                  f"vs {_fmt_s(t.unsliced_step_s)} with whole sequences")
     if p.search is not None:
         s = p.search
         con.print(f"search: B candidates {list(s.micro_batch_candidates)}, priced {list(s.micro_batch_evaluated)}; "

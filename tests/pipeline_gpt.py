@@ -29,23 +29,28 @@ def _ln(x, g):
     return g * (x - mu) / jnp.sqrt(var + 1e-5)
 
 
-def _block(p, x):
+def _attention(q, k, v):
+    t = q.shape[1]
+    att = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(D // HEADS)
+    att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(att, -1), v)
+
+
+def _block(p, x, attention=_attention):
     b, t, _ = x.shape
     h = _ln(x, p["ln1"]) @ p["qkv"]
     q, k, v = jnp.split(h.reshape(b, t, 3, HEADS, D // HEADS), 3, axis=2)
-    q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
-    att = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(D // HEADS)
-    att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
-    y = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(att, -1), v).reshape(b, t, D)
+    y = attention(q[:, :, 0], k[:, :, 0], v[:, :, 0]).reshape(b, t, D)
     x = x + y @ p["proj"]
     return x + jax.nn.gelu(_ln(x, p["ln2"]) @ p["fc1"]) @ p["fc2"]
 
 
-def loss_fn(params, batch, markers=False):
+def loss_fn(params, batch, markers=False, attention=_attention):
+    """`attention`: this file's plain causal attention or `autopar.causal_attention`."""
     tokens, targets = batch["tokens"], batch["targets"]
     x = params["embed"][tokens] + params["pos"]
     for p in params["blocks"]:
-        x = _block(p, x)
+        x = _block(p, x, attention)
         if markers:
             x = mark_stage_boundary(x)
     logits = _ln(x, params["ln_f"]) @ params["embed"].T     # tied embedding
@@ -59,20 +64,20 @@ def make_batch(key, batch_size):
             "targets": jax.random.randint(k2, (batch_size, SEQ), 0, VOCAB)}
 
 
-def make_step(optimizer, markers=False, closure=False, grad_api="autopar"):
+def make_step(optimizer, markers=False, closure=False, grad_api="autopar", attention=_attention):
     """step(state, batch); with `closure` the loss closes over the batch
     (`value_and_grad(lambda p: loss(p, batch))`, the most common way to write it).
     `grad_api` picks the gradient call: "autopar" (autopar.value_and_grad),
-    "jax.value_and_grad" or "jax.grad"."""
+    "jax.value_and_grad" or "jax.grad"; `attention` as in `loss_fn`."""
     vg = {"autopar": value_and_grad, "jax.value_and_grad": jax.value_and_grad,
           "jax.grad": lambda f, **kw: (lambda *a: (None, jax.grad(f, **kw)(*a)))}[grad_api]
 
     def step(state, batch):
         params, opt_state = state
         if closure:
-            loss, grads = vg(lambda p: loss_fn(p, batch, markers))(params)
+            loss, grads = vg(lambda p: loss_fn(p, batch, markers, attention))(params)
         else:
-            loss, grads = vg(lambda p, b: loss_fn(p, b, markers))(params, batch)
+            loss, grads = vg(lambda p, b: loss_fn(p, b, markers, attention))(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         if loss is None:     # jax.grad: report a value computed from the gradient instead
             loss = sum(jnp.vdot(g, g) for g in jax.tree_util.tree_leaves(grads))

@@ -109,3 +109,30 @@ def test_gantt_leaves_the_users_backend_and_figures_alone(tmp_path):
     finally:
         plt.close("all")
         plt.switch_backend(before)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_token_slice_orders_run_backwards_in_reverse_slice_order_without_deadlock(schedule):
+    """Work items (micro-batch, slice): a micro-batch's backwards run last slice first (a
+    slice's backward hands its context's cotangents to the earlier slices), and 1F1B warms
+    up with enough forwards that every backward's forward has run on that stage."""
+    rng = random.Random(1)
+    for _ in range(40):
+        S, B = rng.randint(1, 5), rng.randint(1, 4)
+        slices = [rng.randint(1, 5) for _ in range(B)]
+        orders = stage_orders(schedule, S, B, slices)
+        timed = simulate(orders, [lambda m, i: 1.0 + i] * S, [lambda m, i: 2.0 + i] * S)   # raises on deadlock
+        assert len(timed) == 2 * S * sum(slices)
+        for s, order in enumerate(orders):
+            backs = [t.item for t in order if t.kind == "B"]
+            assert backs == [(m, i) for m in range(B) for i in reversed(range(slices[m]))]
+            pos = {(t.kind, t.item): k for k, t in enumerate(order)}
+            assert all(pos[("F", it)] < pos[("B", it)] for it in backs)
+            limit = sum(slices) if schedule == "gpipe" else max(S - s, max(slices))
+            assert peak_in_flight(order) <= limit
+        end = {(t.task.stage, t.task.kind, t.task.item): t.end_s for t in timed}
+        for t in timed:     # per-item costs: each task lasts what its callable says
+            want = (1.0 if t.task.kind == "F" else 2.0) + t.task.slice
+            assert t.end_s - t.start_s == pytest.approx(want)
+            if t.task.kind == "B" and t.task.stage < S - 1:
+                assert t.start_s >= end[(t.task.stage + 1, "B", t.task.item)] - 1e-12

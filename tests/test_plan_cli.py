@@ -98,3 +98,16 @@ def test_cli_demo_runs_and_checks_against_one_device(capsys, tmp_path):
     assert rc == 0, out
     assert "same result as one device" in out
     assert autopar.Plan.load(tmp_path / "demo.json").stages[0].mesh_shape in [(1, 8), (2, 4), (4, 2), (8, 1)]
+
+
+def test_cli_plans_token_slices_for_a_v100_cluster(tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    rc = main(["plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64", "--batch", "2",
+               "--vocab", "128", "--cluster", "2x8:v100-16g", "--method", "pipeshard", "--micro-batches", "1",
+               "--stages", "2", "--token-slices", "auto", "--out", str(out)])
+    assert rc == 0
+    assert "token slices (TeraPipe, 64 tokens)" in capsys.readouterr().out
+    ts = autopar.Plan.load(out).pipeline.token_slices
+    assert sum(ts.micro_batch_sizes) == 2 and all(sum(s) == 64 for s in ts.slices)
+    assert main(["plan", "--method", "pipeshard", "--token-slices", "3,x"]) == 2
+    assert main(["plan", "--token-slices", "4"]) == 2          # not a pipeline

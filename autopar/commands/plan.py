@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="auto", help="auto | data_parallel | zero3 | megatron:TP | pipeshard")
     p.add_argument("--micro-batches", default="auto", help="pipeshard: auto or a number")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeshard schedule")
+    p.add_argument("--token-slices", default="1", help="pipeshard, causal LMs (TeraPipe): 1, a number of equal "
+                   "slices, comma-separated slice lengths, or auto")
     p.add_argument("--stages", type=int, default=None, help="pipeshard: number of stages (default: planner's choice)")
     p.add_argument("--remat", default=None, choices=["auto", "none", "rockmate", "full"],
                    help="rematerialization (default: auto for pipeshard, none otherwise; "
@@ -53,8 +55,22 @@ def method_from_args(args: argparse.Namespace):
 
     if args.method in ("pipeshard", "pipeline"):
         B = args.micro_batches if args.micro_batches == "auto" else _positive_int(args.micro_batches, "--micro-batches")
-        return autopar.PipeshardParallel(num_micro_batches=B, schedule=args.schedule, num_stages=args.stages)
+        return autopar.PipeshardParallel(num_micro_batches=B, schedule=args.schedule, num_stages=args.stages,
+                                         token_slices=token_slices_from_arg(args.token_slices))
+    if args.token_slices != "1":
+        raise ValueError("--token-slices needs --method pipeshard")
     return method_from_string(args.method)
+
+
+def token_slices_from_arg(text: str):
+    """--token-slices: "auto", a count, or comma-separated lengths."""
+    if text == "auto":
+        return "auto"
+    parts = [t for t in text.split(",") if t.strip()]
+    values = [_positive_int(t.strip(), "--token-slices") for t in parts]
+    if not values:
+        raise ValueError("--token-slices: write auto, a number of slices or comma-separated slice lengths")
+    return values[0] if len(values) == 1 and "," not in text else values
 
 
 def _positive_int(text: str, flag: str) -> int:

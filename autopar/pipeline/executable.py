@@ -77,11 +77,17 @@ class PipeshardExecutable:
     """A planned, runnable pipeline for one input signature."""
 
     def __init__(self, plan: Plan, traced: TracedStep, programs: Sequence[StagePrograms], devices: Sequence[Any],
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, tracer: Any = None):
         self.plan, self.traced, self.programs = plan, traced, list(programs)
         B = traced.num_micro_batches
         S = len(self.programs)
-        self.runtime = PipelineRuntime(self.programs, issue_order(stage_orders(plan.schedule, S, B)), B)
+        slicing = plan.pipeline.token_slices if plan.pipeline is not None else None
+        if slicing is not None:
+            from autopar.pipeline.token_runtime import TokenPipelineRuntime
+
+            self.runtime = TokenPipelineRuntime(self.programs, slicing, plan.schedule, tracer, traced)
+        else:
+            self.runtime = PipelineRuntime(self.programs, issue_order(stage_orders(plan.schedule, S, B)), B)
         step, g = traced.step, traced.step.ops[traced.grad_op]
         owner = self.runtime.owner
         diff = traced.diff_mask
@@ -154,7 +160,10 @@ class PipeshardExecutable:
 
     def compile_stages(self) -> CompiledStep:
         """Compile every stage's forward and backward ahead of time from abstract inputs
-        (no data, no step run): what `lower(...).compile()` returns."""
+        (no data, no step run): what `lower(...).compile()` returns. With token slices:
+        every slice's programs (`TokenPipelineRuntime.compile_stages`)."""
+        if hasattr(self.runtime, "compile_stages"):
+            return self.runtime.compile_stages(self.programs[0].compiler_options)
         for s, p in enumerate(self.programs):
             f_args, b_args = self.abstract_stage_args(s)
             fwd, bwd = p.programs()
@@ -166,6 +175,11 @@ class PipeshardExecutable:
                             [{"forward": p.forward_compiled, "backward": p.backward_compiled} for p in self.programs])
 
     def lower(self, *args, **kwargs) -> LoweredStep:
+        if hasattr(self.runtime, "compile_stages"):
+            return LoweredStep([], compile_fn=self.compile_stages,
+                               text="\n".join(f"// stage {s} {name}\n{low.as_text()}"
+                                              for s, progs in enumerate(self.runtime.lowered_programs())
+                                              for name, low in progs.items()))
         return LoweredStep([], compile_fn=self.compile_stages,
                            text="\n".join(f"// stage {s} {name}\n{fn.lower(*a).as_text()}"
                                           for s, p in enumerate(self.programs)

@@ -19,13 +19,14 @@ class Bar:
     duration_s: float
     kind: str
     micro_batch: int
+    slice: int = 0
 
 
 def timeline_bars(plan: Plan) -> list[Bar]:
     """The bars of a pipeline plan's simulated timeline."""
     if plan.pipeline is None:
         raise ValueError("this plan has no pipeline timeline (not a PipeshardParallel plan)")
-    return [Bar(t.stage, t.start_s, t.end_s - t.start_s, t.kind, t.micro_batch) for t in plan.pipeline.timeline]
+    return [Bar(t.stage, t.start_s, t.end_s - t.start_s, t.kind, t.micro_batch, t.slice) for t in plan.pipeline.timeline]
 
 
 def schedule_figure(plan: Plan) -> Figure:
@@ -37,20 +38,24 @@ def schedule_figure(plan: Plan) -> Figure:
     bars = timeline_bars(plan)
     S = len(plan.stages)
     B = plan.pipeline.num_micro_batches
+    sliced = plan.pipeline.token_slices
     fig = Figure(figsize=(10, 0.6 * S + 1.5), layout="tight")
     ax = fig.subplots()
     colors = {"F": "#4c72b0", "B": "#dd8452"}
     for b in bars:
         ax.barh(b.stage, b.duration_s, left=b.start_s, color=colors[b.kind], edgecolor="black", height=0.8)
-        if B <= 32:
-            ax.text(b.start_s + b.duration_s / 2, b.stage, f"{b.kind}{b.micro_batch}",
+        if len(bars) <= 64 * S:
+            label = f"{b.kind}{b.micro_batch}" + (f".{b.slice}" if sliced is not None else "")
+            ax.text(b.start_s + b.duration_s / 2, b.stage, label,
                     ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(S))
     ax.set_yticklabels([f"stage {s} ({'x'.join(map(str, st.submesh or st.mesh_shape))}, "
                         f"layers {st.layer_range[0]}..{st.layer_range[1] - 1})" for s, st in enumerate(plan.stages)])
     ax.invert_yaxis()
     ax.set_xlabel("predicted time (s)")
-    ax.set_title(f"{plan.pipeline.schedule} schedule, {B} micro-batches, predicted {plan.predicted_time_s:.3g} s")
+    what = f"{B} micro-batches" if sliced is None else \
+        f"{len(sliced.slices)} micro-batches in {sliced.num_items} token slices"
+    ax.set_title(f"{plan.pipeline.schedule} schedule, {what}, predicted {plan.predicted_time_s:.3g} s")
     ax.legend([Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], ["forward", "backward"], loc="upper right")
     return fig
 

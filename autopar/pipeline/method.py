@@ -29,6 +29,10 @@ class PipeshardParallel:
     planning_tolerance: stop searching once the best plan found is within this fraction of
         the lower bound on every better one (0 = exact; the plan is within (1 + it) of the
         optimum under the cost model).
+    token_slices: token-level pipelining (TeraPipe) for causal LMs whose attention is
+        `autopar.causal_attention`: 1 (whole sequences), an int (that many equal slices per
+        sequence), a list of slice lengths, or "auto" (TeraPipe's DP chooses the slices and
+        the split of the batch into micro-batches).
     """
 
     num_micro_batches: int | str = 1
@@ -41,6 +45,7 @@ class PipeshardParallel:
     solver: str = "highs-lp"
     time_limit_s: float = 30.0
     planning_tolerance: float = 0.02
+    token_slices: int | str | Sequence[int] = 1
     # the layer ILP solutions of every plan this method makes (keyed by content and mesh):
     # planning again under another budget, cluster or batch reuses them
     _layer_solver: Any = field(default=None, init=False, repr=False, compare=False)
@@ -65,12 +70,20 @@ class PipeshardParallel:
             object.__setattr__(self, "submeshes", tuple(shapes))
         if self.imbalance_tolerance < 0:
             raise ValueError("imbalance_tolerance must be >= 0")
+        t = self.token_slices
+        if isinstance(t, (list, tuple)):
+            if not t or any(isinstance(l, bool) or not isinstance(l, int) or l < 1 for l in t):
+                raise ValueError(f"token_slices as a list must hold positive token counts, got {t!r}")
+            object.__setattr__(self, "token_slices", tuple(t))
+        elif t != "auto" and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"token_slices must be 1, a positive int, a list of slice lengths or 'auto', got {t!r}")
         if not 0 <= self.planning_tolerance < 1:
             raise ValueError(f"planning_tolerance must be in [0, 1), got {self.planning_tolerance!r}")
 
     @property
     def name(self) -> str:
-        return f"pipeshard({self.schedule}, B={self.num_micro_batches})"
+        slices = "" if self.token_slices == 1 else f", token_slices={self.token_slices}"
+        return f"pipeshard({self.schedule}, B={self.num_micro_batches}{slices})"
 
     # --- the Method protocol -------------------------------------------------------------
     def _cluster(self, request: Any) -> Any:
@@ -106,10 +119,15 @@ class PipeshardParallel:
         planner = self._planner(request)
         decision = planner.plan()
         _check_loss_is_batch_mean(planner, decision.traced)
+        token = None
+        if self.token_slices != 1:
+            from autopar.pipeline.token_plan import plan_token_slices
+
+            token = plan_token_slices(planner, decision, self.token_slices)
         ids = request.device_ids or tuple(range(request.cluster.num_devices))
         plan = to_plan(decision, method_name=self.name, schedule=self.schedule, signature=request.signature,
                        cluster=planner.cluster, memory_budget_bytes=request.memory_budget_bytes, device_ids=ids,
-                       planning_s=time.perf_counter() - t0)
+                       planning_s=time.perf_counter() - t0, token=token)
         return PipelinePlanned(plan, decision.traced, tuple(
             (d.layers, d.costs, d.device_ids, d.logical_mesh) for d in decision.stages), planner)
 
@@ -137,7 +155,7 @@ class PipeshardParallel:
         programs = [StagePrograms(layers, tuple(layouts), build_mesh([devices[i] for i in ids], shape),
                                   planned.traced.num_micro_batches)
                     for layers, layouts, ids, shape in planned.stages]
-        return PipeshardExecutable(planned.plan, planned.traced, programs, devices)
+        return PipeshardExecutable(planned.plan, planned.traced, programs, devices, tracer=planned.planner.tracer)
 
 
 def _check_loss_is_batch_mean(planner: Any, traced: Any) -> None:

@@ -113,19 +113,30 @@ def _stage_plan(d: StageDecision, traced: TracedStep, names: list[str], device_i
 
 
 def to_plan(decision: PipelineDecision, *, method_name: str, schedule: str, signature: str, cluster: Cluster,
-            memory_budget_bytes, device_ids: Sequence[int], planning_s: float) -> Plan:
+            memory_budget_bytes, device_ids: Sequence[int], planning_s: float,
+            token: Any = None) -> Plan:
+    """`token`: a `token_plan.TokenPlan` when the pipeline runs token slices."""
     traced = decision.traced
     names = loss_input_names(traced)
     stages = tuple(_stage_plan(d, traced, names, [device_ids[i] for i in d.device_ids]) for d in decision.stages)
     B = decision.num_micro_batches
-    timed = simulate(stage_orders(schedule, len(stages), B), [d.cost.forward_s for d in decision.stages],
-                     [d.cost.backward_s for d in decision.stages])
+    if token is None:
+        timed = simulate(stage_orders(schedule, len(stages), B), [d.cost.forward_s for d in decision.stages],
+                         [d.cost.backward_s for d in decision.stages])
+    else:
+        sl = token.slicing
+        timed = simulate(stage_orders(schedule, len(stages), len(sl.slices), [len(x) for x in sl.slices]),
+                         [token.task_s(s, "F") for s in range(len(stages))],
+                         [token.task_s(s, "B") for s in range(len(stages))])
+    token_slices = None if token is None else token.slicing
     s = decision.search
     pipeline = PipelinePlan(
         schedule=schedule, num_micro_batches=B, micro_batch_size=traced.micro_batch_size,
-        layer_cuts=tuple(decision.layer_cuts), predicted_step_s=decision.latency_s,
-        timeline=tuple(TimelineTask(t.task.stage, t.task.kind, t.task.micro_batch, t.start_s, t.end_s) for t in timed),
-        search=PipelineSearch(**s) if s else None)
+        layer_cuts=tuple(decision.layer_cuts),
+        predicted_step_s=decision.latency_s if token_slices is None else token_slices.predicted_step_s,
+        timeline=tuple(TimelineTask(t.task.stage, t.task.kind, t.task.micro_batch, t.start_s, t.end_s, t.task.slice)
+                       for t in timed),
+        search=PipelineSearch(**s) if s else None, token_slices=token_slices)
     return Plan(method=method_name, signature=signature, cluster=cluster.to_json(), stages=stages,
                 memory_budget_bytes=memory_budget_bytes, num_micro_batches=B, schedule=schedule,
                 pipeline=pipeline, planning_time_s=planning_s)

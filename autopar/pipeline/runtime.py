@@ -26,6 +26,7 @@ class PipelineRun:
     grads: dict[int, Any]                  # loss input position -> gradient, on the owner stage
     peak_live_micro_batches: list[int]     # per stage: most residual sets alive at once
     order: list[Task] = field(default_factory=list)
+    peak_live_bytes: list[int] = field(default_factory=list)   # per stage: most residual bytes alive at once
 
 
 _split = jax.jit(lambda x, B: tuple(x.reshape(B, x.shape[0] // B, *x.shape[1:])), static_argnums=1)
@@ -79,6 +80,8 @@ class PipelineRuntime:
         residuals: dict[tuple[int, int], Any] = {}
         live = [0] * len(self.programs)
         peak = [0] * len(self.programs)
+        live_bytes = [0] * len(self.programs)
+        peak_bytes = [0] * len(self.programs)
         for task in self.order:
             s, m = task.stage, task.micro_batch
             prog = self.programs[s]
@@ -92,12 +95,15 @@ class PipelineRuntime:
                 residuals[(s, m)] = res
                 live[s] += 1
                 peak[s] = max(peak[s], live[s])
+                live_bytes[s] += sum(x.nbytes for x in res)
+                peak_bytes[s] = max(peak_bytes[s], live_bytes[s])
                 for v, x in zip(st.out_acts, outs):
                     for t in self.consumers[s].get(v, ()):
                         inbox[(t, m, v)] = jax.device_put(x, self.programs[t].in_act_sharding(v))
             else:
                 res = residuals.pop((s, m))
                 live[s] -= 1
+                live_bytes[s] -= sum(x.nbytes for x in res)
                 if s == last:
                     cts = (ct_loss,)
                 else:
@@ -115,7 +121,7 @@ class PipelineRuntime:
         for i, d in enumerate(diff_mask):
             if d and i not in grads:     # a parameter no layer reads
                 grads[i] = jnp.zeros_like(inputs[i])
-        return PipelineRun(loss_acc, grads, peak, list(self.order))
+        return PipelineRun(loss_acc, grads, peak, list(self.order), peak_bytes)
 
 
 def inputs_dtype(prog: StagePrograms) -> Any:

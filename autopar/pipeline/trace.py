@@ -39,6 +39,7 @@ class TracedStep:
     split_mask: tuple[bool, ...]    # per loss input: split into micro-batches along axis 0?
     num_micro_batches: int
     call: GradCall
+    loss_jaxpr: Any = None          # the micro-batch loss as traced (`loss` is built from it)
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -177,7 +178,8 @@ class StepTracer:
                     f"micro-batch: it depends on the batch size, but not as a leading batch dimension; "
                     f"give the loss its batch with the batch dimension first")
             split.append(cut)
-        return TracedStep(self.step, self.grad_op, loss, tuple(self.call.diff_leaf_mask), tuple(split), B, self.call)
+        return TracedStep(self.step, self.grad_op, loss, tuple(self.call.diff_leaf_mask), tuple(split), B, self.call,
+                          call.loss_jaxpr)
 
 
 def trace_step(fun: Callable[..., Any], args: Sequence[Any], num_micro_batches: int,

@@ -1,0 +1,115 @@
+"""Token slices for a planned pipeline (TeraPipe): the slicing a user asked for, or the
+one TeraPipe's DP chooses jointly with the batch split, priced on the chosen stages."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from autopar.attention import AttentionCall, attention_calls
+from autopar.pipeline.planner import PipelineDecision
+from autopar.pipeline.token_eval import Slice, check_sliceable, sized_loss
+from autopar.pipeline.token_cost import StageSliceCost, attention_marked_loss, item_time_s, stage_slice_cost
+from autopar.pipeline.token_dp import (cost_table, granularity_for, item_depth, latency_s, token_dp,
+                                       uniform_lengths)
+from autopar.plan import TokenSlicing
+
+MAX_UNITS = 64      # the auto DP cuts sequences at multiples of seq_len / 64 (or finer)
+
+
+class MissingAttentionMarkerError(ValueError):
+    """token_slices != 1 for a loss without `autopar.causal_attention`."""
+
+
+def sequence_length(calls: Sequence[AttentionCall], token_slices: Any) -> int:
+    """The sequence length the loss's `causal_attention` calls share."""
+    if not calls:
+        raise MissingAttentionMarkerError(
+            f"token_slices={token_slices!r} needs the model's attention to be autopar.causal_attention(q, k, v) "
+            f"(q, k, v: [batch, seq, heads, head_dim]); the traced loss has no causal_attention call, so autopar "
+            f"cannot tell which positions may see which. Use autopar.causal_attention in the model "
+            f"(it is plain causal attention outside a token pipeline) or token_slices=1")
+    lengths = {(c.query_len, c.key_len) for c in calls}
+    if len(lengths) != 1 or len({n for pair in lengths for n in pair}) != 1:
+        raise ValueError(f"token slicing needs every causal_attention call to attend over the whole sequence "
+                         f"(queries and keys of one length); found (query, key) lengths {sorted(lengths)}")
+    return calls[0].query_len
+
+
+def requested_lengths(token_slices: int | Sequence[int], seq_len: int) -> tuple[int, ...]:
+    """The slice lengths of an int or list `token_slices`, checked against the sequence."""
+    if isinstance(token_slices, int):
+        if token_slices > seq_len:
+            raise ValueError(f"token_slices={token_slices} is more slices than the sequence has tokens ({seq_len})")
+        return uniform_lengths(seq_len, token_slices)
+    lengths = tuple(int(l) for l in token_slices)
+    if sum(lengths) != seq_len:
+        raise ValueError(f"token_slices={list(lengths)} sums to {sum(lengths)} tokens, but the sequence has "
+                         f"{seq_len}; give lengths that sum to {seq_len}")
+    return lengths
+
+
+def stage_slice_costs(planner: Any, decision: PipelineDecision, seq_len: int) -> list[StageSliceCost]:
+    traced = decision.traced
+    marked = attention_marked_loss(traced)
+    return [stage_slice_cost(d, marked, seq_len, traced.micro_batch_size, planner.logical_mesh(d.logical_mesh))
+            for d in decision.stages]
+
+
+@dataclass(frozen=True)
+class TokenPlan:
+    """The chosen slicing and the slice costs of the stages it was priced on."""
+
+    slicing: TokenSlicing
+    stage_costs: tuple[StageSliceCost, ...]
+    forward_fraction: tuple[float, ...]         # per stage: forward time / (forward + backward)
+
+    def task_s(self, stage: int, kind: str):
+        """(micro-batch, slice) -> predicted time of that F or B task on `stage`."""
+        sl = self.slicing
+        cost, f = self.stage_costs[stage], self.forward_fraction[stage]
+
+        def time_s(m: int, i: int) -> float:
+            lengths = sl.slices[m]
+            t = float(cost.time_s(sl.micro_batch_sizes[m], lengths[i], sum(lengths[:i])))
+            return t * (f if kind == "F" else 1.0 - f)
+        return time_s
+
+
+def plan_token_slices(planner: Any, decision: PipelineDecision, token_slices: Any) -> TokenPlan:
+    """Token slices for the decision's stages: `token_slices` an int (equal slices), a list
+    of lengths, or "auto" (TeraPipe's DP over slicings and batch splits into micro-batches
+    no larger than the planned one, so that every stage's memory plan still holds, and
+    dividing the batch, so that the step traces on them)."""
+    traced = decision.traced
+    T = sequence_length(attention_calls(traced.loss_jaxpr), token_slices)
+    if token_slices != "auto":
+        lengths = requested_lengths(token_slices, T)
+    check_sliceable(sized_loss(traced, T), Slice(T // 2, T - T // 2, T) if T > 1 else Slice(0, 1, 1))
+    b0, B = traced.micro_batch_size, decision.num_micro_batches
+    costs = stage_slice_costs(planner, decision, T)
+    depth = item_depth([float(s.time_s(b0, T, 0)) for s in costs])
+    update_s = sum(d.cost.iteration_s for d in decision.stages)
+
+    def schedule_s(sizes: Sequence[int], slices: Sequence[Sequence[int]]) -> float:
+        items = []
+        for b, ls in zip(sizes, slices):
+            ctx = np.concatenate([[0], np.cumsum(ls)[:-1]])
+            items.extend(float(x) for x in np.atleast_1d(item_time_s(costs, b, np.asarray(ls), ctx)))
+        return latency_s(items, depth) + update_s
+
+    unsliced = schedule_s([b0] * B, [(T,)] * B)
+    if token_slices == "auto":
+        g = granularity_for(T, MAX_UNITS)
+        tables = {b: cost_table(lambda l, c, b=b: item_time_s(costs, b, l, c), T, g)
+                  for b in range(1, b0 + 1) if (B * b0) % b == 0}
+        best = token_dp(tables, B * b0, depth, granularity=g)
+        sizes, slices, tried = best.micro_batch_sizes, best.slices, best.bounds_tried
+    else:
+        sizes, slices, tried = (b0,) * B, (lengths,) * B, 0
+    slicing = TokenSlicing(seq_len=T, micro_batch_sizes=tuple(sizes), slices=tuple(tuple(s) for s in slices),
+                           predicted_step_s=schedule_s(sizes, slices), unsliced_step_s=unsliced, bounds_tried=tried)
+    fractions = tuple(d.cost.forward_s / d.cost.micro_batch_s if d.cost.micro_batch_s > 0 else 0.5
+                      for d in decision.stages)
+    return TokenPlan(slicing=slicing, stage_costs=tuple(costs), forward_fraction=fractions)
