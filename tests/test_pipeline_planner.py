@@ -327,3 +327,33 @@ def test_a_method_reuses_its_layer_solutions_across_planning_runs():
     assert 0 <= tight.pipeline.search.ilp_solves < fresh.pipeline.search.ilp_solves
     assert describe(tight) == describe(fresh)
     assert method == autopar.PipeshardParallel(**kw)      # the cache is not part of the method's value
+
+
+def test_more_stages_than_grouped_layers_keep_one_block_per_layer():
+    """With more stages than the 16 layers repeated blocks are grouped into, the blocks
+    are grouped so that every stage can get one; 20 given identical submeshes are one
+    candidate shape for the DP (a 20 x 20 x 1 problem, not 20 x 20 x 20)."""
+    import autopar
+    from autopar.interface import PlanRequest
+
+    n = 20
+
+    def loss(params, x):
+        for w in params:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x ** 2)
+
+    def step(params, x):
+        return jax.grad(loss)(params, x)
+
+    params = [jnp.zeros((16, 16), jnp.float32)] * n
+    x = jnp.zeros((8, 16), jnp.float32)
+    cluster = Cluster.parse("5x4:a100-80g")
+    method = autopar.PipeshardParallel(num_micro_batches=2, submeshes=[(1, 1)] * n)
+    planner = method._planner(PlanRequest(fun=step, args=(params, x), kwargs={}, cluster=cluster,
+                                          signature="s", remat="none"))
+    decision = planner.plan()
+    assert len(planner.cut_options()[0]) - 1 >= n
+    assert len(planner.problem(2, 0).shapes) == 1
+    assert len(decision.stages) == n
+    assert max(len(st.layers.layers) for st in decision.stages) <= 2

@@ -432,15 +432,15 @@ class PipelinePlanner:
         """With layers="auto": the loss's markers, else its repeated blocks, else Alpa's
         clustering for several L; with an int L, clustering into L layers."""
         n = len(traced.loss.ops)
-        stages = self.method.num_stages or 1
+        stages = self._shapes()[1] or 1
         if self.method.layers == "auto":
             marks = marker_cuts(traced.loss)
             if marks is not None:
                 return [marks]
-            blocks = repeat_cuts(traced.loss, max_layers=MAX_LAYERS)
+            blocks = repeat_cuts(traced.loss, max_layers=max(MAX_LAYERS, stages))
             if blocks is not None and len(blocks) - 1 >= stages:
                 return [blocks]
-            Ls = sorted({L for L in (2, 4, 8, 16, self.method.num_stages or 2) if stages <= L <= n})
+            Ls = sorted({L for L in (2, 4, 8, 16, stages) if stages <= L <= n})
         else:
             Ls = [self.method.layers]
         if not Ls or max(Ls) > n:
@@ -460,20 +460,24 @@ class PipelinePlanner:
         return link.beta_s_per_byte
 
     # --- the search -----------------------------------------------------------------
-    def _shapes(self) -> tuple[list[tuple[int, int]], int | None, bool]:
+    def _shapes(self) -> tuple[list[tuple[int, int]], int | None, tuple[int, ...] | None]:
+        """The submesh shapes the DP may use, the number of stages (None: free) and, with
+        given submeshes, the index into those shapes of each stage's submesh (identical
+        shapes appear once, so 48 given (1, 8) submeshes are one candidate shape)."""
         c = self.cluster
         if self.method.submeshes != "auto":
-            fixed = list(self.method.submeshes)
+            fixed = [tuple(s) for s in self.method.submeshes]
             used = sum(n * m for n, m in fixed)
             if used != c.num_devices:
                 raise ValueError(f"submeshes {fixed} use {used} devices but there are {c.num_devices} "
                                  f"({c.num_hosts} x {c.devices_per_host}); give shapes that cover all devices")
-            return fixed, len(fixed), True
-        return c.submesh_shapes(), self.method.num_stages, False
+            shapes = list(dict.fromkeys(fixed))
+            return shapes, len(fixed), tuple(shapes.index(s) for s in fixed)
+        return c.submesh_shapes(), self.method.num_stages, None
 
     def _dp(self, cand: _Candidates, time_s, it, mem, num_stages, fixed, limit: float | None = None) -> StageDPResult:
-        if fixed:
-            time_s = _restrict_to_given(cand, time_s)
+        if fixed is not None:
+            time_s = _restrict_to_given(cand, time_s, fixed)
         self.dp_runs += 1
         return stage_dp(time_s, [n * m for n, m in cand.shapes], self.cluster.num_devices,
                         cand.B, iteration_s=it, memory_bytes=mem,
@@ -485,7 +489,7 @@ class PipelinePlanner:
         def tensors():      # one per DP run
             self.dp_runs += 1
             time_s, it, mem = cand.tensors()
-            return _restrict_to_given(cand, time_s) if fixed else time_s, it, mem
+            return _restrict_to_given(cand, time_s, fixed) if fixed is not None else time_s, it, mem
 
         def exact(st, _s):
             return cand.is_exact(st.start, st.end - 1, st.submesh, *cand.option(st.option))
@@ -646,13 +650,14 @@ def scaled_down_meshes(mesh: LogicalMesh, others: Sequence[tuple[int, int, Logic
     return out
 
 
-def _restrict_to_given(cand: _Candidates, time_s: np.ndarray) -> np.ndarray:
-    """With given submeshes, the k-th stage (S - k stages from it) must use the k-th one."""
+def _restrict_to_given(cand: _Candidates, time_s: np.ndarray, order: Sequence[int]) -> np.ndarray:
+    """With given submeshes, the k-th stage (S - k stages from the end) must use shape
+    order[k]."""
     S = cand.S
     time_s = time_s.copy()
     for s in range(1, S + 1):
         mask = np.ones(len(cand.shapes), bool)
-        mask[S - s] = False
+        mask[order[S - s]] = False
         time_s[:, :, mask, s - 1] = np.inf
     return time_s
 
