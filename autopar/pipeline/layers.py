@@ -88,8 +88,9 @@ def live_bytes_at_cuts(graph: OpGraph) -> list[float]:
 def repeat_cuts(graph: OpGraph, max_layers: int = 16) -> list[int] | None:
     """Layers aligned with the model's repeated blocks (an unrolled stack of identical
     layers): one layer per group of consecutive blocks, at most `max_layers` groups, plus
-    the ops before and after the stack as layers of their own. Cut at the phase of the
-    period where the fewest activation bytes cross. None when no repeat covers half the ops."""
+    the ops before and after the stack as layers of their own. Cut at the earliest phase of
+    the period where the fewest activation bytes cross (to within 1%). None when no repeat
+    covers half the ops."""
     from autopar.intra_op import op_signature
     from rockmate.repeats import tandem_repeats
 
@@ -102,7 +103,10 @@ def repeat_cuts(graph: OpGraph, max_layers: int = 16) -> list[int] | None:
     if period * copies < n / 2:
         return None
     live = live_bytes_at_cuts(graph)
-    phase = min(range(period), key=lambda p: (sum(live[start + p + j * period] for j in range(copies - (p > 0))), p))
+    crossing = [sum(live[start + p + j * period] for j in range(copies - (p > 0))) for p in range(period)]
+    # near-ties (a few small tensors) go to the earliest phase: the blocks then stay whole
+    # layers whatever the micro-batch size the graph was traced at
+    phase = min(p for p in range(period) if crossing[p] <= min(crossing) * 1.01)
     bounds = [start + phase + j * period for j in range(copies + 1 - (phase > 0))]
     blocks = len(bounds) - 1
     group = -(-blocks // max_layers)
