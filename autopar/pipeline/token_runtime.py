@@ -40,6 +40,10 @@ class TokenStage:
         g = next(iter(losses.values())).graph
         self.marks = sorted({g.ops[i].mark for i in self.ops if g.ops[i].mark is not None})
         self.rep = NamedSharding(programs.mesh, PartitionSpec())
+        # a stage planned with remat recomputes its whole forward per slice in the backward
+        # (the slice's inputs are all it keeps): the 4 passes token_cost prices, and no more
+        # memory than the per-layer schedule the planner priced
+        self.remat = any(lg.remat != "none" for lg in st.layers)
         self._forward = jax.jit(self._forward_fn, static_argnums=(0, 1))
         self._backward = jax.jit(self._backward_fn, static_argnums=(0, 1))
         # per (size, slice): the VJP's structure and which of its leaves are the parameters
@@ -73,7 +77,8 @@ class TokenStage:
 
         float_acts = tuple(a for a, fl in zip(acts, fl_in) if fl)
         other_acts = tuple(a for a, fl in zip(acts, fl_in) if not fl)
-        (float_outs, kv), pullback, other_outs = jax.vjp(f, params, float_acts, ctx, has_aux=True)
+        run = jax.checkpoint(f) if self.remat else f
+        (float_outs, kv), pullback, other_outs = jax.vjp(run, params, float_acts, ctx, has_aux=True)
         leaves, treedef = jax.tree_util.tree_flatten(pullback)
         index = {id(p): k for k, p in enumerate(params)}
         slots = tuple(index.get(id(x), -1) for x in leaves)
