@@ -3,6 +3,7 @@ from autopar.api import Parallelized, make_plan, parallelize
 from autopar.attention import causal_attention
 from autopar.boundary import mark_stage_boundary
 from autopar.cluster import Cluster, LogicalMesh
+from autopar.distributed import global_batch
 from autopar.intra_op import MemoryBudgetError
 from autopar.lost_update import NoUpdateReturnedError
 from autopar.methods import DataParallel, Megatron, MeshDivisibilityError, ShardParallel, ZeRO3
@@ -13,6 +14,6 @@ from search.database import TuningDB, TuningDBError
 __all__ = [
     "Cluster", "DataParallel", "LogicalMesh", "Megatron", "MemoryBudgetError", "MeshDivisibilityError",
     "NoUpdateReturnedError", "Parallelized", "PipeshardParallel", "Plan", "PlanFileError", "ShardParallel",
-    "TuningDB", "TuningDBError", "ZeRO3", "causal_attention", "grad", "make_plan", "mark_stage_boundary", "parallelize",
+    "TuningDB", "TuningDBError", "ZeRO3", "causal_attention", "global_batch", "grad", "make_plan", "mark_stage_boundary", "parallelize",
     "value_and_grad",
 ]

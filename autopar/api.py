@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from autopar.cluster import Cluster, parse_memory
+from autopar.distributed import is_multi_process, next_plan_key, shared_text
 from autopar.executable import LoweredStep
 from autopar.interface import PlanRequest, check_devices
 from autopar.methods import method_for_plan, resolve_method
@@ -78,12 +79,30 @@ class Parallelized:
                                         "re-plan (drop plan=...) or pass inputs shaped like the planned ones")
                 method = method_for_plan(self.fixed_plan, self.method)
                 planned = method.restore(self.fixed_plan, request)
+            elif is_multi_process():
+                method, planned = self._plan_once_for_all(request)
             else:
                 method = self.method
                 planned = method.plan(request)
             self._cache[key] = (method.build(planned, request), step)
         exe, step = self._cache[key]
         return exe, step, call
+
+    def _plan_once_for_all(self, request: PlanRequest) -> tuple[Any, Any]:
+        """With several processes: plan on process 0, the others restore its plan, so every
+        process runs the same programs."""
+        made = []
+
+        def make() -> str:
+            made.append(self.method.plan(request))
+            return made[0].plan.to_json()
+
+        text = shared_text(next_plan_key(), make)
+        if made:
+            return self.method, made[0]
+        plan = Plan.from_json(text)
+        method = method_for_plan(plan, self.method)
+        return method, method.restore(plan, request)
 
     def _executable(self, args: tuple, kwargs: dict) -> Any:
         """The method's executable for these inputs; it takes `split_call(args, kwargs).args`."""

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from rockmate.graph.evaluate import eval_graph
 from rockmate.graph.op_graph import OpGraph
 from autopar.intra_op import ShardingPlan
-from autopar.sharding_spec import AXIS_NAMES, DimSharding, to_partition_spec
+from autopar.sharding_spec import AXIS_NAMES, DimSharding, replicated, to_partition_spec
 
 
 def build_mesh(devices: Sequence[Any], mesh_shape: tuple[int, int]) -> Mesh:
@@ -24,6 +24,11 @@ def build_mesh(devices: Sequence[Any], mesh_shape: tuple[int, int]) -> Mesh:
 
 def named(mesh: Mesh, spec: DimSharding) -> NamedSharding:
     return NamedSharding(mesh, to_partition_spec(spec))
+
+
+def input_shardings(graph: OpGraph, plan: ShardingPlan, mesh: Mesh) -> tuple[NamedSharding, ...]:
+    """Where each flat input of the graph lives under `plan` (replicated where it has no spec)."""
+    return tuple(named(mesh, plan.var_specs.get(v, replicated(len(graph.vars[v].shape)))) for v in graph.invars)
 
 
 def sharded_function(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, donate_flat: Sequence[int] = (),

@@ -16,7 +16,8 @@ from autopar.executable import LoweredStep
 from autopar.interface import PlanRequest, abstract
 from autopar.intra_op import MemoryBudgetError, ShardingPlan
 from autopar.lost_update import check_single_program_step
-from autopar.lower import build_mesh, sharded_function
+from autopar.distributed import is_multi_process, transfer
+from autopar.lower import build_mesh, input_shardings, sharded_function
 from autopar.plan import Plan, PlanFileError, RematAttempt, RematInfo
 from autopar.planner import InputInfo, input_infos, plan_single_stage, stage_plan, state_ties
 from autopar.sharding_costs import ShardingCosts
@@ -40,15 +41,24 @@ class SingleStageExecutable:
         self.plan = planned.plan
         self.graph = planned.graph
         flat_donate = flat_indices(args, donate_argnums)
-        self.jitted = sharded_function(planned.graph, planned.sharding,
-                                       build_mesh(devices, planned.sharding.mesh_shape), flat_donate)
+        mesh = build_mesh(devices, planned.sharding.mesh_shape)
+        self.jitted = sharded_function(planned.graph, planned.sharding, mesh, flat_donate)
+        self.in_shardings = input_shardings(planned.graph, planned.sharding, mesh)
+
+    def _flat_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        """The step's flat inputs; with several processes, as global arrays laid out by the
+        plan (host values must then be the same in every process)."""
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        if not is_multi_process():
+            return leaves
+        return [transfer(x, s) for x, s in zip(leaves, self.in_shardings)]
 
     def __call__(self, *args, **kwargs):
-        out = self.jitted(*jax.tree_util.tree_leaves((args, kwargs)))
+        out = self.jitted(*self._flat_inputs(args, kwargs))
         return jax.tree_util.tree_unflatten(self.graph.out_tree, out)
 
     def lower(self, *args, **kwargs) -> LoweredStep:
-        return LoweredStep([self.jitted.lower(*jax.tree_util.tree_leaves((args, kwargs)))])
+        return LoweredStep([self.jitted.lower(*self._flat_inputs(args, kwargs))])
 
 
 def trace_step(fun, args: tuple, kwargs: dict) -> OpGraph:

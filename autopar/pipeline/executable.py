@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.executable import CompiledStep, LoweredStep
+from autopar.distributed import is_multi_process, replicated, transfer
 from autopar.lower import build_mesh
 from autopar.pipeline.runtime import PipelineRun, PipelineRuntime
 from autopar.pipeline.schedule import issue_order, stage_orders
@@ -67,7 +68,7 @@ class _SubProgramRun:
         self.compiled = None
 
     def __call__(self, read) -> tuple:
-        ins = [jax.device_put(read(v), sh) for v, sh in zip(self.prog.inputs, self.in_shardings)]
+        ins = [transfer(read(v), sh) for v, sh in zip(self.prog.inputs, self.in_shardings)]
         if self.compiled is None:
             self.compiled = self.jitted.lower(*ins).compile(self.compiler_options)
         return self.compiled(*ins)
@@ -98,6 +99,7 @@ class PipeshardExecutable:
         self.diff_pos = diff_pos
         used = sorted({d for p in self.programs for d in p.mesh.devices.flat}, key=lambda d: d.id)
         self.home = build_mesh(used, (len(used), 1))
+        self.everywhere = replicated(self.home)
         self.pre = _SubProgramRun(step, self.split.pre, self.home, {}, compiler_options) if self.split.pre.ops else None
         # a parameter and its gradient live in the owner stage's layout; its optimizer state follows
         known: dict[int, NamedSharding] = {}
@@ -140,6 +142,8 @@ class PipeshardExecutable:
             if prog.prog.ops:
                 env.update(zip(prog.prog.outputs, prog(read)))
         out = [read(v) for v in step.outvars]
+        if is_multi_process():   # the loss and other scalars readable in every process
+            out = [transfer(x, self.everywhere) if isinstance(x, jax.Array) and x.ndim == 0 else x for x in out]
         return jax.tree_util.tree_unflatten(step.out_tree, out)
 
     # --- compiled programs ----------------------------------------------------------

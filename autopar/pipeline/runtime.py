@@ -2,7 +2,8 @@
 from Python in schedule order.
 
 Activations go to the stages that read them, and cotangents come back, with
-`jax.device_put` into the receiving program's layout; JAX's asynchronous dispatch
+`jax.device_put` into the receiving program's layout (`distributed.transfer`: across processes
+through JAX's cross-host transfers); JAX's asynchronous dispatch
 overlaps the stages. There is no RPC of our own.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autopar.distributed import transfer
 from autopar.pipeline.schedule import Task
 from autopar.pipeline.stage import StagePrograms
 
@@ -67,14 +69,14 @@ class PipelineRuntime:
         B = self.num_micro_batches
         micro = {i: (split_micro_batches(x, B) if split_mask[i] else [x] * B)
                  for i, x in enumerate(inputs) if not diff_mask[i]}
-        params = [tuple(jax.device_put(inputs[i], p.param_sharding(i)) for i in p.stage.param_inputs)
+        params = [tuple(transfer(inputs[i], p.param_sharding(i)) for i in p.stage.param_inputs)
                   for p in self.programs]
         grad_acc = [tuple(jnp.zeros(x.shape, x.dtype, device=x.sharding) for x in ps) for ps in params]
         last = len(self.programs) - 1
         lp = self.programs[last]
         loss_scalar = lp.out_act_sharding(lp.stage.out_acts[0])
         loss_acc = jnp.zeros((), inputs_dtype(lp), device=loss_scalar)
-        ct_loss = jax.device_put(np.asarray(1.0 / B, inputs_dtype(lp)), lp.ct_sharding(lp.stage.out_acts[0]))
+        ct_loss = transfer(np.asarray(1.0 / B, inputs_dtype(lp)), lp.ct_sharding(lp.stage.out_acts[0]))
         inbox: dict[tuple[int, int, int], Any] = {}
         ct_inbox: dict[tuple[int, int, int], list] = {}
         residuals: dict[tuple[int, int], Any] = {}
@@ -87,7 +89,7 @@ class PipelineRuntime:
             prog = self.programs[s]
             st = prog.stage
             if task.kind == "F":
-                batch = tuple(jax.device_put(micro[i][m], prog.batch_sharding(i)) for i in st.batch_inputs)
+                batch = tuple(transfer(micro[i][m], prog.batch_sharding(i)) for i in st.batch_inputs)
                 acts = tuple(inbox.pop((s, m, v)) for v in st.in_acts)
                 outs, res, acc = prog.forward(params[s], batch, acts, loss_acc if s == last else ())
                 if s == last:
@@ -99,7 +101,7 @@ class PipelineRuntime:
                 peak_bytes[s] = max(peak_bytes[s], live_bytes[s])
                 for v, x in zip(st.out_acts, outs):
                     for t in self.consumers[s].get(v, ()):
-                        inbox[(t, m, v)] = jax.device_put(x, self.programs[t].in_act_sharding(v))
+                        inbox[(t, m, v)] = transfer(x, self.programs[t].in_act_sharding(v))
             else:
                 res = residuals.pop((s, m))
                 live[s] -= 1
@@ -112,11 +114,11 @@ class PipelineRuntime:
                 for v, g in zip(prog.float_in_acts, act_grads):
                     src = self.producer[v]
                     ct_inbox.setdefault((src, m, v), []).append(
-                        jax.device_put(g, self.programs[src].ct_sharding(v)))
+                        transfer(g, self.programs[src].ct_sharding(v)))
         grads: dict[int, Any] = {}
         for prog, acc in zip(self.programs, grad_acc):
             for i, g in zip(prog.stage.param_inputs, acc):
-                g = jax.device_put(g, self.param_sharding(i))
+                g = transfer(g, self.param_sharding(i))
                 grads[i] = g if i not in grads else grads[i] + g
         for i, d in enumerate(diff_mask):
             if d and i not in grads:     # a parameter no layer reads

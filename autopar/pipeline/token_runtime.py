@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar.distributed import transfer
 from autopar.pipeline.runtime import PipelineRun
 from autopar.pipeline.schedule import Task, issue_order, stage_orders
 from autopar.pipeline.stage import StagePrograms
@@ -92,7 +93,7 @@ class TokenStage:
         return pullback(cts)
 
     def forward(self, size: int, seq: Slice, params, batch, acts, ctx):
-        put = lambda x: jax.device_put(x, self.rep)
+        put = lambda x: transfer(x, self.rep)
         return self._forward(size, seq, params, tuple(map(put, batch)), tuple(map(put, acts)),
                              jax.tree_util.tree_map(put, ctx))
 
@@ -223,7 +224,7 @@ class TokenPipelineRuntime:
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
         micro = {i: ([x[s:s + b] for s, b in zip(starts, sizes)] if split_mask[i] else [x] * len(sizes))
                  for i, x in enumerate(inputs) if not diff_mask[i]}
-        params = [tuple(jax.device_put(inputs[i], p.param_sharding(i)) for i in p.stage.param_inputs)
+        params = [tuple(transfer(inputs[i], p.param_sharding(i)) for i in p.stage.param_inputs)
                   for p in self.programs]
         param_ids = {id(x) for ps in params for x in ps}
         grad_acc = [tuple(jnp.zeros(x.shape, x.dtype, device=x.sharding) for x in ps) for ps in params]
@@ -266,7 +267,7 @@ class TokenPipelineRuntime:
                     loss_acc = loss_acc + weight * outs[0]
                 for v, x in zip(st.out_acts, outs):
                     for t in self.consumers[s].get(v, ()):
-                        inbox[(t, m, i, v)] = jax.device_put(x, self.stages[t].rep)
+                        inbox[(t, m, i, v)] = transfer(x, self.stages[t].rep)
             else:
                 pullback, nbytes = residuals.pop((s, m, i))
                 live[s] -= 1
@@ -285,7 +286,7 @@ class TokenPipelineRuntime:
                 fl_in = ts.float_vars(sizes[m], st.in_acts)
                 for v, g in zip([v for v, fl in zip(st.in_acts, fl_in) if fl], g_acts):
                     src = self.producer[v]
-                    ct_inbox.setdefault((src, m, i, v), []).append(jax.device_put(g, self.stages[src].rep))
+                    ct_inbox.setdefault((src, m, i, v), []).append(transfer(g, self.stages[src].rep))
                 for j in range(i if g_ctx else 0):
                     piece = tuple((g_ctx[n][0][j], g_ctx[n][1][j]) for n in range(len(ts.marks)))
                     prev = kv_ct.get((s, m, j))
@@ -295,7 +296,7 @@ class TokenPipelineRuntime:
         grads: dict[int, Any] = {}
         for prog, acc in zip(self.programs, grad_acc):
             for k, g in zip(prog.stage.param_inputs, acc):
-                g = jax.device_put(g, self.param_sharding(k))
+                g = transfer(g, self.param_sharding(k))
                 grads[k] = g if k not in grads else grads[k] + g
         for k, d in enumerate(diff_mask):
             if d and k not in grads:
