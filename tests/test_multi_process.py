@@ -1,0 +1,76 @@
+"""Several processes on jax.distributed (2 processes x 4 CPU devices, started by
+`python -m autopar.launch`): the default method and a 2-stage pipeline with one stage per
+process equal one device over two steps; a killed process makes the other fail, not hang."""
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from pipeline_gpt import init_state, make_batch, make_step
+
+HERE = os.path.dirname(__file__)
+
+
+def launch(mode: str, out: str, timeout_s: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autopar.launch", "-n", "2", "--devices-per-process", "4",
+                           "--grace", "20", os.path.join(HERE, "multi_process_step.py"), mode, out],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=HERE)
+
+
+def one_device_reference():
+    opt = optax.sgd(0.1, momentum=0.9)
+    state, batch = init_state(opt), make_batch(jax.random.PRNGKey(1), 8)
+    step = jax.jit(make_step(opt, closure=True))
+    losses = []
+    for _ in range(2):
+        state, loss = step(state, batch)
+        losses.append(float(loss))
+    return losses, [np.asarray(x) for x in jax.tree_util.tree_leaves(state[0])]
+
+
+@pytest.mark.parametrize("mode", ["auto", "pipeshard"])
+def test_two_processes_equal_one_device_for_two_steps(mode, tmp_path):
+    out = str(tmp_path / "result.npz")
+    run = launch(mode, out)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    got = np.load(out)
+    assert int(got["num_processes"]) == 2 and int(got["num_devices"]) == 8
+    losses, params = one_device_reference()
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-4)
+    for i, ref in enumerate(params):
+        np.testing.assert_allclose(got[f"p{i}"], ref, rtol=1e-4, atol=1e-6)
+    if mode == "pipeshard":     # one stage per process: activations crossed between processes
+        assert got["stage_processes"].tolist() == [[0], [1]]
+
+
+def test_killed_process_makes_the_other_fail_with_a_clear_error(tmp_path):
+    t0 = time.monotonic()
+    run = launch("kill", str(tmp_path / "never.npz"), timeout_s=300)
+    elapsed = time.monotonic() - t0
+    log = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "[launch] process 1 exited with code -9" in log
+    assert "stopped sending heartbeats" in log          # JAX names the lost peer in process 0
+    assert "done kill" not in log
+    assert not (tmp_path / "never.npz").exists()
+    assert elapsed < 200, elapsed
+
+
+def test_launcher_environment_and_bad_input(tmp_path):
+    from autopar import distributed
+    from autopar.launch import child_env, launch as run_launcher
+
+    env = child_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/d"}, process_id=1,
+                    num_processes=3, devices=4, coordinator="127.0.0.1:9", transfer_port=11, heartbeat_s=5)
+    assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", "--xla_force_host_platform_device_count=4"]
+    assert env[distributed.ENV_PROCESS_ID] == "1" and env[distributed.ENV_NUM_PROCESSES] == "3"
+    assert env[distributed.ENV_TRANSFER_ADDRESS] == "127.0.0.1:11"
+    with pytest.raises(FileNotFoundError, match="no such script"):
+        run_launcher(str(tmp_path / "missing.py"), [], num_processes=2, devices_per_process=4)
+    with pytest.raises(ValueError, match="at least one process"):
+        run_launcher(__file__, [], num_processes=0, devices_per_process=4)
