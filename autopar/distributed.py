@@ -49,11 +49,8 @@ def is_multi_process() -> bool:
 
 
 def to_global(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-    """`value` as a global array laid out by `sharding`. A global array is passed as it is
-    (jit reshards it); a host value or a process-local array must be the same in every
-    process, and each process supplies the shards of its own devices from it."""
-    if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        return value
+    """A host value (or an uncommitted array), the same in every process, as a global
+    array laid out by `sharding`: each process supplies its own devices' shards."""
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
 
@@ -65,7 +62,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def _mesh_of(sharding: jax.sharding.Sharding) -> Mesh:
     if isinstance(sharding, NamedSharding):
         return sharding.mesh
-    return Mesh(np.array(list(sharding._device_assignment)), ("devices",))
+    return _device_mesh(list(sharding._device_assignment))
 
 
 def transfer(value: Any, target: NamedSharding) -> Any:

@@ -111,10 +111,11 @@ def launch(script: str, script_args: Sequence[str], *, num_processes: int, devic
             p.wait()
         for t in relays:
             t.join(timeout=5)
-    for i, p in enumerate(procs):
-        if p.returncode != 0 and failed_at is None:
-            print(f"[launch] process {i} exited with code {p.returncode}", file=sys.stderr, flush=True)
-            first_failure, failed_at = p.returncode, 0.0
+    if not first_failure:   # a failure seen only as the last process ended
+        for i, p in enumerate(procs):
+            if p.returncode:
+                print(f"[launch] process {i} exited with code {p.returncode}", file=sys.stderr, flush=True)
+                return p.returncode
     return first_failure
 
 

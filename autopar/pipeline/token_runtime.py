@@ -20,9 +20,8 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar.distributed import transfer
+from autopar.distributed import replicated, transfer
 from autopar.pipeline.runtime import PipelineRun
 from autopar.pipeline.schedule import Task, issue_order, stage_orders
 from autopar.pipeline.stage import StagePrograms
@@ -40,7 +39,7 @@ class TokenStage:
         self.ops = [i for lg in st.layers for i in lg.spec.ops]
         g = next(iter(losses.values())).graph
         self.marks = sorted({g.ops[i].mark for i in self.ops if g.ops[i].mark is not None})
-        self.rep = NamedSharding(programs.mesh, PartitionSpec())
+        self.rep = replicated(programs.mesh)
         # a stage planned with remat recomputes its whole forward per slice in the backward
         # (the slice's inputs are all it keeps): the 4 passes token_cost prices, and no more
         # memory than the per-layer schedule the planner priced
