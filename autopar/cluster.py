@@ -125,6 +125,11 @@ class LogicalMesh:
         n, alpha, beta = self._alpha_beta(axes)
         return 0.0 if n == 1 else alpha + (n - 1) / n * float(nbytes) * beta
 
+    def send_s(self, nbytes: float, axis: int) -> float:
+        """One device sending `nbytes` to its neighbour along `axis`: alpha + nbytes * beta."""
+        n, alpha, beta = self._alpha_beta(axis)
+        return 0.0 if n == 1 else alpha + float(nbytes) * beta
+
     def compute_s(self, flops: float, dtype: Any) -> float:
         """Per-device compute time of `flops` FLOPs (roofline peak for `dtype`)."""
         return self.device.compute_s(flops, dtype)

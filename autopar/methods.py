@@ -155,8 +155,11 @@ def resolve_method(method) -> Any:
 def method_for_plan(plan: Plan, method: Any) -> Any:
     """The method that builds a saved plan: the given one, or for method="auto" the kind
     the plan was made with (a pipeline plan needs the pipeline method)."""
-    if plan.pipeline is None or not isinstance(method, ShardParallel):
+    if (plan.pipeline is None and plan.spmd_pipeline is None) or not isinstance(method, ShardParallel):
         return method
     from autopar.pipeline.method import PipeshardParallel
+
+    if plan.spmd_pipeline is not None:
+        return PipeshardParallel(num_micro_batches=plan.num_micro_batches, lowering="spmd")
 
     return PipeshardParallel(num_micro_batches=plan.num_micro_batches, schedule=plan.schedule or "1f1b")

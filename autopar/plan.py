@@ -189,6 +189,34 @@ class PipelinePlan:
 
 
 @dataclass(frozen=True)
+class SpmdPipelinePlan:
+    """The SPMD pipeline (`pipeline/spmd.py`): the layer scan's L layers split into S
+    stages along mesh axis x, each micro-batch split D ways along y, all in one program.
+    Times are predicted per device by the roofline of the traced layer (forward, and
+    forward + backward for the recomputing backward pass) and the cluster's links."""
+
+    num_stages: int
+    data_parallel: int
+    num_micro_batches: int
+    micro_batch_size: int
+    num_layers: int
+    stacked_inputs: tuple[int, ...]             # flat step inputs split over stages (leading dim L)
+    batch_inputs: tuple[int, ...]               # flat step inputs split over y (the batch)
+    layer_forward_s: float                      # one layer, forward, the rows one device holds of a micro-batch
+    layer_train_s: float                        # the same layer's forward + backward
+    send_s: float                               # one tick's carry to the next stage
+    tick_s: float                               # per tick: forward, plus recomputing backward
+    rest_s: float                               # the loss outside the scan, and the optimizer update
+    grad_sync_s: float                          # gradients all-reduced over y
+    predicted_step_s: float
+    predicted_argument_bytes: float             # per device: the step's inputs as laid out
+    predicted_activation_bytes: float           # per device: carries kept per tick, one tick's residuals
+    predicted_gradient_bytes: float             # per device: stacked gradients / S, the others whole
+    send_bytes: float                           # per tick and direction, per device
+    per_stage_step_s: float | None = None       # the per-stage runtime's prediction, when compared
+
+
+@dataclass(frozen=True)
 class Plan:
     method: str
     signature: str
@@ -200,10 +228,13 @@ class Plan:
     pipeline: PipelinePlan | None = None
     remat: RematInfo | None = None
     planning_time_s: float = 0.0
+    spmd_pipeline: SpmdPipelinePlan | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property
     def predicted_time_s(self) -> float:
+        if self.spmd_pipeline is not None:
+            return float(self.spmd_pipeline.predicted_step_s)
         if self.pipeline is not None:
             return float(self.pipeline.predicted_step_s)
         return float(sum(s.predicted_time_s for s in self.stages))

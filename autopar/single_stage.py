@@ -262,7 +262,7 @@ def _fit_remat(method, request: PlanRequest, planned: SingleStagePlanned, costs:
 
 def restore(plan: Plan, request: PlanRequest) -> SingleStagePlanned:
     """A saved single-stage plan on the freshly traced step, checked against it."""
-    if len(plan.stages) != 1 or plan.pipeline is not None:
+    if len(plan.stages) != 1 or plan.pipeline is not None or plan.spmd_pipeline is not None:
         raise PlanFileError("this is a pipeline plan; reuse it with its pipeline method (plan=... picks it)")
     graph = trace_checked_step(request.fun, request.args, request.kwargs)
     if plan.remat is not None and plan.remat.applied == "rockmate":

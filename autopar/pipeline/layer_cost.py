@@ -10,7 +10,7 @@ output is charged its reshard from the layout the next layer returns it in.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Container
 
 from autopar.cluster import LogicalMesh
 from autopar.intra_op import IDENTITY_PRIMITIVES, MemoryBudgetError, ShardingPlan, live_ops, plan_sharding
@@ -91,12 +91,16 @@ def roofline_device_s(lg: LayerGraph, device: Any) -> float:
     fastest peak of the op's dtypes, or the bytes it keeps in memory at full bandwidth).
     Divided by a mesh's device count it bounds the ILP objective from below: the ILP
     charges every op at least its FLOPs and bytes split evenly over the mesh."""
-    g = lg.graph
+    return roofline_s(lg.graph, device)
+
+
+def roofline_s(g: Any, device: Any, skip: Container[int] = ()) -> float:
+    """`roofline_device_s` of any op graph (its live ops but `skip`, on one device)."""
     kept = materialized(g)
     total = 0.0
     for i in live_ops(g):
         op = g.ops[i]
-        if op.name in IDENTITY_PRIMITIVES:
+        if op.name in IDENTITY_PRIMITIVES or i in skip:
             continue
         vs = [v for v in (*op.inputs, *op.outputs) if v not in g.literals]
         peak = max((device.peak_flops_for(g.vars[v].dtype) for v in vs), default=device.peak_flops_for("float32"))

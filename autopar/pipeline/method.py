@@ -3,10 +3,12 @@ build (the `autopar.interface.Method` protocol)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from autopar.pipeline.schedule import SCHEDULES
+
+LOWERINGS = ("auto", "spmd", "per-stage")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class PipeshardParallel:
         `autopar.causal_attention`: 1 (whole sequences), an int (that many equal slices per
         sequence), a list of slice lengths, or "auto" (TeraPipe's DP chooses the slices and
         the split of the batch into micro-batches).
+    lowering: "per-stage" (one program per stage and micro-batch, driven from Python),
+        "spmd" (the loss's layer scan, e.g. flax nn.scan, pipelined inside one program:
+        `pipeline/spmd.py`) or "auto": the SPMD pipeline when the loss has a layer scan and
+        it is predicted faster than the per-stage plan.
     """
 
     num_micro_batches: int | str = 1
@@ -46,6 +52,7 @@ class PipeshardParallel:
     time_limit_s: float = 30.0
     planning_tolerance: float = 0.02
     token_slices: int | str | Sequence[int] = 1
+    lowering: str = "auto"
     # the layer ILP solutions of every plan this method makes (keyed by content and mesh):
     # planning again under another budget, cluster or batch reuses them
     _layer_solver: Any = field(default=None, init=False, repr=False, compare=False)
@@ -77,13 +84,19 @@ class PipeshardParallel:
             object.__setattr__(self, "token_slices", tuple(t))
         elif t != "auto" and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"token_slices must be 1, a positive int, a list of slice lengths or 'auto', got {t!r}")
+        if self.lowering not in LOWERINGS:
+            raise ValueError(f"lowering must be one of {LOWERINGS}, got {self.lowering!r}")
+        if self.lowering == "spmd" and (self.token_slices != 1 or self.submeshes != "auto"):
+            raise ValueError("lowering='spmd' runs equal stages of the layer scan on one mesh: it takes neither "
+                             "token_slices nor submeshes; use lowering='per-stage' for those")
         if not 0 <= self.planning_tolerance < 1:
             raise ValueError(f"planning_tolerance must be in [0, 1), got {self.planning_tolerance!r}")
 
     @property
     def name(self) -> str:
         slices = "" if self.token_slices == 1 else f", token_slices={self.token_slices}"
-        return f"pipeshard({self.schedule}, B={self.num_micro_batches}{slices})"
+        lowering = "" if self.lowering == "auto" else f", lowering={self.lowering}"
+        return f"pipeshard({self.schedule}, B={self.num_micro_batches}{slices}{lowering})"
 
     # --- the Method protocol -------------------------------------------------------------
     def _cluster(self, request: Any) -> Any:
@@ -117,7 +130,18 @@ class PipeshardParallel:
 
         t0 = time.perf_counter()
         planner = self._planner(request)
-        decision = planner.plan()
+        spmd = self._plan_spmd(request, planner)
+        if self.lowering == "spmd":
+            return spmd_planned(spmd, planner, request, self.name, t0)
+        try:
+            decision = planner.plan()
+        except ValueError:
+            if spmd is None:
+                raise
+            return spmd_planned(spmd, planner, request, self.name, t0)
+        if spmd is not None and spmd.predicted_step_s < decision.latency_s:
+            return spmd_planned(replace(spmd, per_stage_step_s=decision.latency_s), planner, request,
+                                self.name, t0)
         _check_loss_is_batch_mean(planner, decision.traced)
         token = None
         if self.token_slices != 1:
@@ -131,11 +155,29 @@ class PipeshardParallel:
         return PipelinePlanned(plan, decision.traced, tuple(
             (d.layers, d.costs, d.device_ids, d.logical_mesh) for d in decision.stages), planner)
 
+    def _plan_spmd(self, request: Any, planner: Any) -> Any:
+        """The best SPMD pipeline (a SpmdPipelinePlan), or None where it does not apply
+        under lowering="auto" (no layer scan, token slices, given submeshes)."""
+        from autopar.pipeline.spmd import SpmdPipelineError
+        from autopar.pipeline.spmd_plan import SpmdPlanner
+
+        if self.lowering == "per-stage" or self.token_slices != 1 or self.submeshes != "auto":
+            return None
+        try:
+            sp = SpmdPlanner(planner.tracer, planner.cluster, request.num_devices)
+            return sp.plan(self.num_stages, self.num_micro_batches, planner.memory_limit_bytes)
+        except SpmdPipelineError:
+            if self.lowering == "spmd":
+                raise
+            return None
+
     def restore(self, plan: Any, request: Any) -> Any:
         """A saved pipeline plan on the re-traced step, without planning again."""
         from autopar.pipeline.record import restore
         from autopar.plan import PlanFileError
 
+        if plan.spmd_pipeline is not None:
+            return SpmdPlanned(plan, self._planner(request).tracer)
         if plan.pipeline is None:
             raise PlanFileError("this is a single-stage plan; reuse it with a single-program method (method='auto')")
         planner = self._planner(request)
@@ -151,6 +193,10 @@ class PipeshardParallel:
         from autopar.pipeline.executable import PipeshardExecutable
         from autopar.pipeline.stage import StagePrograms
 
+        if isinstance(planned, SpmdPlanned):
+            from autopar.pipeline.spmd_executable import SpmdPipelineExecutable
+
+            return SpmdPipelineExecutable(planned.plan, planned.tracer, request.devices, request.donate_argnums)
         devices = list(request.devices)
         programs = [StagePrograms(layers, tuple(layouts), build_mesh([devices[i] for i in ids], shape),
                                   planned.traced.num_micro_batches)
@@ -175,3 +221,21 @@ class PipelinePlanned:
     traced: Any
     stages: tuple
     planner: Any
+
+
+@dataclass(frozen=True)
+class SpmdPlanned:
+    """An SPMD pipeline decision: the Plan and the traced step it is built from."""
+
+    plan: Any
+    tracer: Any
+
+
+def spmd_planned(sp: Any, planner: Any, request: Any, name: str, t0: float) -> SpmdPlanned:
+    from autopar.pipeline.spmd_plan import spmd_plan
+
+    ids = request.device_ids or tuple(range(request.cluster.num_devices))
+    plan = spmd_plan(sp, planner.tracer, name=name, signature=request.signature, cluster=planner.cluster,
+                     memory_budget_bytes=request.memory_budget_bytes, device_ids=ids,
+                     planning_s=time.perf_counter() - t0)
+    return SpmdPlanned(plan, planner.tracer)
