@@ -2,7 +2,8 @@
 test GPT with autopar in every process; process 0 writes the losses, the final parameters
 and where each stage ran to an .npz. Modes: `auto` (ShardParallel, the batch built from
 each process's rows with `autopar.global_batch`), `pipeshard` (2 stages, host values),
-`kill` (process 1 dies after the first step)."""
+`spmd` (the SPMD pipeline of an nn.scan GPT, stage axis across the processes), `kill`
+(process 1 dies after the first step)."""
 import os
 import signal
 import sys
@@ -18,7 +19,13 @@ from pipeline_gpt import init_state, make_batch, make_step
 mode, out = sys.argv[1], sys.argv[2]
 opt = optax.sgd(0.1, momentum=0.9)
 state, batch = init_state(opt), make_batch(jax.random.PRNGKey(1), 8)
-if mode == "pipeshard":
+if mode == "spmd":
+    from models import make
+
+    step_fn, state, inputs = make("gpt_scan", "sgd")
+    step = autopar.parallelize(step_fn, method=autopar.PipeshardParallel(num_micro_batches=2, num_stages=2,
+                                                                         lowering="spmd"))
+elif mode == "pipeshard":
     method = autopar.PipeshardParallel(num_micro_batches=2, num_stages=2, submeshes=[(1, 4), (1, 4)],
                                        devices_per_host=4)
     step = autopar.parallelize(make_step(opt, markers=True, closure=True), method=method)
@@ -37,6 +44,9 @@ stage_processes = []
 if mode == "pipeshard":
     exe = step._executable((state, inputs), {})
     stage_processes = [sorted({d.process_index for d in p.mesh.devices.flat}) for p in exe.programs]
+if mode == "spmd":     # the rows of the (stage, data) mesh
+    exe = step._executable((state, inputs), {})
+    stage_processes = [sorted({d.process_index for d in row}) for row in exe.mesh.devices]
 params = [fetch(x) for x in jax.tree_util.tree_leaves(state[0])]
 if jax.process_index() == 0:
     np.savez(out, losses=np.array(losses), stage_processes=np.array(stage_processes),

@@ -48,6 +48,26 @@ def test_two_processes_equal_one_device_for_two_steps(mode, tmp_path):
         assert got["stage_processes"].tolist() == [[0], [1]]
 
 
+def test_spmd_pipeline_across_two_processes_equals_one_device(tmp_path):
+    """The nn.scan GPT's SPMD pipeline with its stage axis across the processes: one
+    program in both, stage 0 on process 0's devices, stage 1 on process 1's."""
+    from models import make
+
+    out = str(tmp_path / "result.npz")
+    run = launch("spmd", out)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    got = np.load(out)
+    step, state, batch = make("gpt_scan", "sgd")
+    losses = []
+    for _ in range(2):
+        state, loss = jax.jit(step)(state, batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-4)
+    for i, ref in enumerate(jax.tree_util.tree_leaves(state[0])):
+        np.testing.assert_allclose(got[f"p{i}"], np.asarray(ref), rtol=1e-4, atol=1e-6)
+    assert got["stage_processes"].tolist() == [[0], [1]]
+
+
 def test_killed_process_makes_the_other_fail_with_a_clear_error(tmp_path):
     t0 = time.monotonic()
     run = launch("kill", str(tmp_path / "never.npz"), timeout_s=300)
