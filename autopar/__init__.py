@@ -2,6 +2,7 @@
 from autopar.api import Parallelized, make_plan, parallelize
 from autopar.attention import causal_attention
 from autopar.boundary import mark_stage_boundary
+from autopar.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 from autopar.cluster import Cluster, LogicalMesh
 from autopar.distributed import global_batch
 from autopar.intra_op import MemoryBudgetError
@@ -12,8 +13,8 @@ from autopar.plan import Plan, PlanFileError
 from search.database import TuningDB, TuningDBError
 
 __all__ = [
-    "Cluster", "DataParallel", "LogicalMesh", "Megatron", "MemoryBudgetError", "MeshDivisibilityError",
+    "CheckpointError", "Cluster", "DataParallel", "LogicalMesh", "Megatron", "MemoryBudgetError", "MeshDivisibilityError",
     "NoUpdateReturnedError", "Parallelized", "PipeshardParallel", "Plan", "PlanFileError", "ShardParallel",
     "TuningDB", "TuningDBError", "ZeRO3", "causal_attention", "global_batch", "grad", "make_plan", "mark_stage_boundary", "parallelize",
-    "value_and_grad",
+    "restore_checkpoint", "save_checkpoint", "value_and_grad",
 ]

@@ -3,7 +3,8 @@ test GPT with autopar in every process; process 0 writes the losses, the final p
 and where each stage ran to an .npz. Modes: `auto` (ShardParallel, the batch built from
 each process's rows with `autopar.global_batch`), `pipeshard` (2 stages, host values),
 `spmd` (the SPMD pipeline of an nn.scan GPT, stage axis across the processes), `kill`
-(process 1 dies after the first step)."""
+(both processes save a checkpoint of the state after the first step to `<out>.ckpt`, then
+process 1 dies), `resume` (restore `<out>.ckpt` and run the second step)."""
 import os
 import signal
 import sys
@@ -35,11 +36,16 @@ else:
     rows = slice(4 * jax.process_index(), 4 * jax.process_index() + 4)
     inputs = autopar.global_batch({k: np.asarray(v)[rows] for k, v in batch.items()})
 losses = []
-for i in range(2):
+first = 0
+if mode == "resume":
+    state, first = autopar.restore_checkpoint(out + ".ckpt", like=state), 1
+for i in range(first, 2):
     state, loss = step(state, inputs)
     losses.append(float(loss))
-    if mode == "kill" and i == 0 and jax.process_index() == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "kill" and i == 0:
+        autopar.save_checkpoint(out + ".ckpt", state)
+        if jax.process_index() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
 stage_processes = []
 if mode == "pipeshard":
     exe = step._executable((state, inputs), {})

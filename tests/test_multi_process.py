@@ -1,6 +1,7 @@
 """Several processes on jax.distributed (2 processes x 4 CPU devices, started by
 `python -m autopar.launch`): the default method and a 2-stage pipeline with one stage per
-process equal one device over two steps; a killed process makes the other fail, not hang."""
+process equal one device over two steps; a killed process makes the other fail, not hang,
+and a checkpoint saved before the kill resumes on 1 and on 2 processes."""
 import os
 import subprocess
 import sys
@@ -22,15 +23,15 @@ def launch(mode: str, out: str, timeout_s: float = 400) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=timeout_s, cwd=HERE)
 
 
-def one_device_reference():
+def one_device_reference(steps: int = 2):
     opt = optax.sgd(0.1, momentum=0.9)
     state, batch = init_state(opt), make_batch(jax.random.PRNGKey(1), 8)
     step = jax.jit(make_step(opt, closure=True))
     losses = []
-    for _ in range(2):
+    for _ in range(steps):
         state, loss = step(state, batch)
         losses.append(float(loss))
-    return losses, [np.asarray(x) for x in jax.tree_util.tree_leaves(state[0])]
+    return losses, [np.asarray(x) for x in jax.tree_util.tree_leaves(state[0])], state
 
 
 @pytest.mark.parametrize("mode", ["auto", "pipeshard"])
@@ -40,7 +41,7 @@ def test_two_processes_equal_one_device_for_two_steps(mode, tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     got = np.load(out)
     assert int(got["num_processes"]) == 2 and int(got["num_devices"]) == 8
-    losses, params = one_device_reference()
+    losses, params, _ = one_device_reference()
     np.testing.assert_allclose(got["losses"], losses, rtol=1e-4)
     for i, ref in enumerate(params):
         np.testing.assert_allclose(got[f"p{i}"], ref, rtol=1e-4, atol=1e-6)
@@ -68,9 +69,13 @@ def test_spmd_pipeline_across_two_processes_equals_one_device(tmp_path):
     assert got["stage_processes"].tolist() == [[0], [1]]
 
 
-def test_killed_process_makes_the_other_fail_with_a_clear_error(tmp_path):
+def test_killed_process_makes_the_other_fail_and_its_checkpoint_resumes(tmp_path):
+    """Process 1 dies after both saved a checkpoint of the first step's sharded state: the
+    other fails with a clear error, not a hang; the checkpoint restores on this one process
+    (8 devices) and on 2 processes, and the second step from it equals one device's."""
+    out = str(tmp_path / "never.npz")
     t0 = time.monotonic()
-    run = launch("kill", str(tmp_path / "never.npz"), timeout_s=300)
+    run = launch("kill", out, timeout_s=300)
     elapsed = time.monotonic() - t0
     log = run.stdout + run.stderr
     assert run.returncode != 0
@@ -79,6 +84,20 @@ def test_killed_process_makes_the_other_fail_with_a_clear_error(tmp_path):
     assert "done kill" not in log
     assert not (tmp_path / "never.npz").exists()
     assert elapsed < 200, elapsed
+
+    import autopar
+
+    losses, params, _ = one_device_reference()
+    _, _, after_one = one_device_reference(steps=1)
+    restored = autopar.restore_checkpoint(out + ".ckpt", like=after_one)
+    for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(after_one)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    resumed = launch("resume", out)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    got = np.load(out)
+    np.testing.assert_allclose(got["losses"], losses[1:], rtol=1e-4)
+    for i, ref in enumerate(params):
+        np.testing.assert_allclose(got[f"p{i}"], ref, rtol=1e-4, atol=1e-6)
 
 
 def test_launcher_environment_and_bad_input(tmp_path):
