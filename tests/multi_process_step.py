@@ -2,7 +2,7 @@
 test GPT with autopar in every process; process 0 writes the losses, the final parameters
 and where each stage ran to an .npz. Modes: `auto` (ShardParallel, the batch built from
 each process's rows with `autopar.global_batch`), `pipeshard` (2 stages, host values),
-`spmd` (the SPMD pipeline of an nn.scan GPT, stage axis across the processes), `kill`
+`token` (the same with 2 token slices per sequence), `spmd` (the SPMD pipeline of an nn.scan GPT, stage axis across the processes), `kill`
 (both processes save a checkpoint of the state after the first step to `<out>.ckpt`, then
 process 1 dies), `resume` (restore `<out>.ckpt` and run the second step)."""
 import os
@@ -15,7 +15,7 @@ import optax
 
 import autopar
 from autopar.distributed import fetch
-from pipeline_gpt import init_state, make_batch, make_step
+from pipeline_gpt import _attention, init_state, make_batch, make_step
 
 mode, out = sys.argv[1], sys.argv[2]
 opt = optax.sgd(0.1, momentum=0.9)
@@ -26,10 +26,12 @@ if mode == "spmd":
     step_fn, state, inputs = make("gpt_scan", "sgd")
     step = autopar.parallelize(step_fn, method=autopar.PipeshardParallel(num_micro_batches=2, num_stages=2,
                                                                          lowering="spmd"))
-elif mode == "pipeshard":
+elif mode in ("pipeshard", "token"):
+    token = mode == "token"        # TeraPipe: 2 token slices per sequence, through both processes
     method = autopar.PipeshardParallel(num_micro_batches=2, num_stages=2, submeshes=[(1, 4), (1, 4)],
-                                       devices_per_host=4)
-    step = autopar.parallelize(make_step(opt, markers=True, closure=True), method=method)
+                                       devices_per_host=4, token_slices=2 if token else 1)
+    step = autopar.parallelize(make_step(opt, markers=True, closure=True,
+                                         attention=autopar.causal_attention if token else _attention), method=method)
     inputs = batch
 else:
     step = autopar.parallelize(make_step(opt, closure=True))
@@ -47,7 +49,7 @@ for i in range(first, 2):
         if jax.process_index() == 1:
             os.kill(os.getpid(), signal.SIGKILL)
 stage_processes = []
-if mode == "pipeshard":
+if mode in ("pipeshard", "token"):
     exe = step._executable((state, inputs), {})
     stage_processes = [sorted({d.process_index for d in p.mesh.devices.flat}) for p in exe.programs]
 if mode == "spmd":     # the rows of the (stage, data) mesh

@@ -34,7 +34,7 @@ def one_device_reference(steps: int = 2):
     return losses, [np.asarray(x) for x in jax.tree_util.tree_leaves(state[0])], state
 
 
-@pytest.mark.parametrize("mode", ["auto", "pipeshard"])
+@pytest.mark.parametrize("mode", ["auto", "pipeshard", "token"])
 def test_two_processes_equal_one_device_for_two_steps(mode, tmp_path):
     out = str(tmp_path / "result.npz")
     run = launch(mode, out)
@@ -45,7 +45,7 @@ def test_two_processes_equal_one_device_for_two_steps(mode, tmp_path):
     np.testing.assert_allclose(got["losses"], losses, rtol=1e-4)
     for i, ref in enumerate(params):
         np.testing.assert_allclose(got[f"p{i}"], ref, rtol=1e-4, atol=1e-6)
-    if mode == "pipeshard":     # one stage per process: activations crossed between processes
+    if mode != "auto":     # one stage per process: activations (token slices) crossed between processes
         assert got["stage_processes"].tolist() == [[0], [1]]
 
 

@@ -274,14 +274,17 @@ class TokenPipelineRuntime:
                 kv = kv_out[(s, m)][i]
                 fl_out = ts.float_vars(sizes[m], st.out_acts)
                 if st.is_last:
-                    ct_outs = (jnp.asarray(weight, ts.losses[sizes[m]].graph.vars[st.out_acts[0]].abstract().dtype),)
+                    # made on the stage's devices: with several processes a default-device
+                    # scalar would be a cross-process send no other process matches
+                    dtype = ts.losses[sizes[m]].graph.vars[st.out_acts[0]].abstract().dtype
+                    ct_outs = (transfer(np.asarray(weight, dtype), ts.rep),)
                 else:
                     ct_outs = tuple(_sum(ct_inbox.pop((s, m, i, v))) for v, fl in zip(st.out_acts, fl_out) if fl)
                 ct_kv = kv_ct.pop((s, m, i), None)
                 if ct_kv is None:
-                    ct_kv = jax.tree_util.tree_map(jnp.zeros_like, kv)
+                    ct_kv = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), kv)
                 g_params, g_acts, g_ctx = ts.backward(sizes[m], seq, params[s], pullback, (ct_outs, ct_kv))
-                grad_acc[s] = tuple(a + g.astype(a.dtype) for a, g in zip(grad_acc[s], g_params))
+                grad_acc[s] = _accumulate(grad_acc[s], g_params)
                 fl_in = ts.float_vars(sizes[m], st.in_acts)
                 for v, g in zip([v for v, fl in zip(st.in_acts, fl_in) if fl], g_acts):
                     src = self.producer[v]
@@ -289,7 +292,7 @@ class TokenPipelineRuntime:
                 for j in range(i if g_ctx else 0):
                     piece = tuple((g_ctx[n][0][j], g_ctx[n][1][j]) for n in range(len(ts.marks)))
                     prev = kv_ct.get((s, m, j))
-                    kv_ct[(s, m, j)] = piece if prev is None else jax.tree_util.tree_map(jnp.add, prev, piece)
+                    kv_ct[(s, m, j)] = piece if prev is None else _accumulate(prev, piece)
                 if i == 0:
                     kv_out.pop((s, m), None)
         grads: dict[int, Any] = {}
@@ -303,8 +306,16 @@ class TokenPipelineRuntime:
         return PipelineRun(loss_acc, grads, peak, list(self.order), peak_bytes)
 
 
+@jax.jit
+def _accumulate(acc: Any, add: Any) -> Any:
+    """acc + add leaf by leaf, in acc's dtypes, as one program. With several processes a
+    sequence of eager adds on a stage's arrays hung (measured: both processes blocked in
+    the gradient accumulation); the jitted sum does not."""
+    return jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), acc, add)
+
+
 def _sum(values: list) -> Any:
     out = values[0]
     for v in values[1:]:
-        out = out + v
+        out = _accumulate(out, v)
     return out
