@@ -1,6 +1,7 @@
 """Several processes on jax.distributed (2 processes x 4 CPU devices, started by
-`python -m autopar.launch`): the default method and a 2-stage pipeline with one stage per
-process equal one device over two steps; a killed process makes the other fail, not hang,
+`python -m autopar.launch`): the default method, a 2-stage pipeline with one stage per
+process (with and without token slices) and the SPMD pipeline equal one device over two
+steps; a killed process makes the other fail, not hang,
 and a checkpoint saved before the kill resumes on 1 and on 2 processes."""
 import os
 import subprocess
@@ -34,39 +35,37 @@ def one_device_reference(steps: int = 2):
     return losses, [np.asarray(x) for x in jax.tree_util.tree_leaves(state[0])], state
 
 
-@pytest.mark.parametrize("mode", ["auto", "pipeshard", "token"])
-def test_two_processes_equal_one_device_for_two_steps(mode, tmp_path):
-    out = str(tmp_path / "result.npz")
-    run = launch(mode, out)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    got = np.load(out)
-    assert int(got["num_processes"]) == 2 and int(got["num_devices"]) == 8
-    losses, params, _ = one_device_reference()
-    np.testing.assert_allclose(got["losses"], losses, rtol=1e-4)
+def _check_run(got, run: str, losses, params) -> None:
+    np.testing.assert_allclose(got[f"{run}_losses"], losses, rtol=1e-4)
     for i, ref in enumerate(params):
-        np.testing.assert_allclose(got[f"p{i}"], ref, rtol=1e-4, atol=1e-6)
-    if mode != "auto":     # one stage per process: activations (token slices) crossed between processes
-        assert got["stage_processes"].tolist() == [[0], [1]]
+        np.testing.assert_allclose(got[f"{run}_p{i}"], ref, rtol=1e-4, atol=1e-6)
 
 
-def test_spmd_pipeline_across_two_processes_equals_one_device(tmp_path):
-    """The nn.scan GPT's SPMD pipeline with its stage axis across the processes: one
-    program in both, stage 0 on process 0's devices, stage 1 on process 1's."""
+@pytest.mark.parametrize("runs", ["auto,spmd", "pipeshard,token"])
+def test_two_processes_equal_one_device_for_two_steps(runs, tmp_path):
+    """Each run of one launch equals one device for two steps. Pipelines put one stage per
+    process, so activations (token slices, or the SPMD pipeline's ppermutes inside one
+    program) cross between the processes."""
     from models import make
 
     out = str(tmp_path / "result.npz")
-    run = launch("spmd", out)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    launched = launch(runs, out)
+    assert launched.returncode == 0, launched.stdout[-4000:] + launched.stderr[-4000:]
     got = np.load(out)
-    step, state, batch = make("gpt_scan", "sgd")
-    losses = []
-    for _ in range(2):
-        state, loss = jax.jit(step)(state, batch)
-        losses.append(float(loss))
-    np.testing.assert_allclose(got["losses"], losses, rtol=1e-4)
-    for i, ref in enumerate(jax.tree_util.tree_leaves(state[0])):
-        np.testing.assert_allclose(got[f"p{i}"], np.asarray(ref), rtol=1e-4, atol=1e-6)
-    assert got["stage_processes"].tolist() == [[0], [1]]
+    assert int(got["num_processes"]) == 2 and int(got["num_devices"]) == 8
+    losses, params, _ = one_device_reference()
+    for run in runs.split(","):
+        if run == "spmd":       # the nn.scan GPT
+            step, state, batch = make("gpt_scan", "sgd")
+            scan_losses = []
+            for _ in range(2):
+                state, loss = jax.jit(step)(state, batch)
+                scan_losses.append(float(loss))
+            _check_run(got, run, scan_losses, [np.asarray(x) for x in jax.tree_util.tree_leaves(state[0])])
+        else:
+            _check_run(got, run, losses, params)
+        if run != "auto":
+            assert got[f"{run}_stages"].tolist() == [[0], [1]]
 
 
 def test_killed_process_makes_the_other_fail_and_its_checkpoint_resumes(tmp_path):
@@ -94,10 +93,7 @@ def test_killed_process_makes_the_other_fail_and_its_checkpoint_resumes(tmp_path
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
     resumed = launch("resume", out)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    got = np.load(out)
-    np.testing.assert_allclose(got["losses"], losses[1:], rtol=1e-4)
-    for i, ref in enumerate(params):
-        np.testing.assert_allclose(got[f"p{i}"], ref, rtol=1e-4, atol=1e-6)
+    _check_run(np.load(out), "resume", losses[1:], params)
 
 
 def test_launcher_environment_and_bad_input(tmp_path):
