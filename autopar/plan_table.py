@@ -32,6 +32,14 @@ def render_plan(plan, max_rows: int = 40, width: int = 160) -> str:
     con.print(head)
     if plan.memory_budget_bytes:
         con.print(f"memory budget per device: {_fmt_bytes(plan.memory_budget_bytes)}")
+    if plan.spmd_pipeline is not None:
+        sp = plan.spmd_pipeline
+        ticks = sp.num_micro_batches + sp.num_stages - 1
+        con.print(f"SPMD pipeline: {sp.num_layers} layers in {sp.num_stages} stages (mesh axis x) x {sp.data_parallel} "
+                  f"data-parallel (y), {sp.num_micro_batches} micro-batches of {sp.micro_batch_size}, {ticks} ticks "
+                  f"of {_fmt_s(sp.tick_s)}; rest {_fmt_s(sp.rest_s)}, gradient sync {_fmt_s(sp.grad_sync_s)}"
+                  + (f"; per-stage runtime predicted {_fmt_s(sp.per_stage_step_s)}"
+                     if sp.per_stage_step_s is not None else ""))
     if plan.pipeline is not None:
         _pipeline_tables(con, plan)
     else:

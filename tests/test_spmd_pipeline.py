@@ -122,6 +122,8 @@ def test_plan_round_trip_and_restore(tmp_path):
     pstep.plan.save(path)
     plan = autopar.Plan.load(path)
     assert plan == pstep.plan and plan.spmd_pipeline.num_stages == 2
+    assert "SPMD pipeline: 4 layers in 2 stages (mesh axis x) x 4 data-parallel (y), 2 micro-batches of 4, 3 ticks" \
+        in plan.summary()
     again = autopar.parallelize(step, plan=str(path))      # method="auto" picks the SPMD pipeline
     new2, loss2 = again(state, batch)
     assert again.plan.spmd_pipeline == plan.spmd_pipeline

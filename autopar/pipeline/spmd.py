@@ -213,6 +213,9 @@ def _pipelined_scan(eqn: Any, invals: list, scan: LayerScan, mesh: Mesh, M: int,
         return [lax.psum(jnp.where(last, y[S - 1:], jnp.zeros_like(y[S - 1:])), STAGE_AXIS) for y in ys]
 
     batch_spec = P(None, data)
+    # check_vma=False: the layer body is evaluated from its jaxpr, which bypasses the
+    # automatic varying-axis casts shard_map's checker needs (inputs unmapped over y still
+    # get their cotangents summed over y by shard_map's transpose; the tests compare grads)
     f = jax.shard_map(local, mesh=mesh,
                       in_specs=([P(STAGE_AXIS)] * len(weights), [batch_spec] * len(bconsts), [P()] * len(gconsts),
                                 [batch_spec] * len(carries)),
