@@ -38,9 +38,15 @@ class Parallelized:
     """A train step planned and run by autopar; call it like the original function."""
 
     def __init__(self, fun: Callable, *, devices=None, method="auto", memory_budget=None, batch_argnums=(1,),
-                 donate_argnums=(), remat="auto", tuning_db=None, plan=None):
+                 donate_argnums=(), remat="auto", tuning_db=None, plan=None, kernels="xla", tuning_trials=64):
         if remat not in ("auto", "none", "full"):
             raise ValueError(f"remat={remat!r}; use 'auto', 'none' or 'full'")
+        if kernels not in ("xla", "cached", "tuned"):
+            raise ValueError(f"kernels={kernels!r}; use 'xla' (XLA's code), 'cached' (tuned kernels already in the "
+                             f"tuning DB) or 'tuned' (tune them now, tuning_trials per kernel)")
+        if isinstance(tuning_trials, bool) or not isinstance(tuning_trials, int) or tuning_trials < 1:
+            raise ValueError(f"tuning_trials must be a positive int, got {tuning_trials!r}")
+        self.kernels, self.tuning_trials = kernels, tuning_trials
         self.fun = fun
         self.devices = check_devices(devices) if devices is not None else None
         self.method = resolve_method(method)
@@ -71,7 +77,7 @@ class Parallelized:
                 self.fun, call, sig, cluster=Cluster.from_devices(devices),
                 memory_budget_bytes=self.memory_budget_bytes, batch_argnums=self.batch_argnums, remat=self.remat,
                 devices=tuple(devices), donate_argnums=self.donate_argnums, tuning_db=self.tuning_db,
-                device_ids=tuple(d.id for d in devices))
+                device_ids=tuple(d.id for d in devices), kernels=self.kernels, tuning_trials=self.tuning_trials)
             if self.fixed_plan is not None:
                 if self.fixed_plan.signature != sig:
                     raise PlanFileError("the saved plan was made for inputs with a different signature:\n"

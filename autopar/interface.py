@@ -43,6 +43,8 @@ class PlanRequest:
     devices: tuple[Any, ...] | None = None
     donate_argnums: tuple[int, ...] = ()
     tuning_db: Any = None
+    kernels: str = "xla"            # "xla" | "cached" | "tuned": tuned kernels for the plan's matmuls
+    tuning_trials: int = 64         # per distinct kernel task, with kernels="tuned"
     device_ids: tuple[int, ...] = field(default=())
 
     @property

@@ -32,8 +32,9 @@ def input_shardings(graph: OpGraph, plan: ShardingPlan, mesh: Mesh) -> tuple[Nam
 
 
 def sharded_function(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, donate_flat: Sequence[int] = (),
-                     constrain_intermediates: bool = True):
-    """jax.jit of the graph over flat arguments, following `plan` on `mesh`."""
+                     constrain_intermediates: bool = True, overrides: dict | None = None):
+    """jax.jit of the graph over flat arguments, following `plan` on `mesh`; `overrides`
+    (op index -> function of its inputs) replace ops, e.g. by tuned kernels."""
     in_shardings = tuple(named(mesh, plan.var_specs[v]) if v in plan.var_specs else None for v in graph.invars)
     out_shardings = tuple(named(mesh, s) for s in plan.out_specs)
     specs = plan.var_specs
@@ -45,6 +46,7 @@ def sharded_function(graph: OpGraph, plan: ShardingPlan, mesh: Mesh, donate_flat
         return jax.lax.with_sharding_constraint(value, named(mesh, spec))
 
     def flat_fn(*flat_args):
-        return tuple(eval_graph(graph, flat_args, on_output=hook if constrain_intermediates else None))
+        return tuple(eval_graph(graph, flat_args, on_output=hook if constrain_intermediates else None,
+                                overrides=overrides))
 
     return jax.jit(flat_fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=tuple(donate_flat))

@@ -93,6 +93,19 @@ class StageRemat:
 
 
 @dataclass(frozen=True)
+class KernelUse:
+    """What serves one op of a stage: a tuned kernel (`used`) or XLA's own code, and the
+    head-to-head times of its local op on one device of the planning machine."""
+
+    op: int                                     # op index in the stage's program
+    workload_key: str                           # the search task (tuning DB key)
+    used: bool
+    reason: str
+    tuned_s: float | None = None
+    xla_s: float | None = None
+
+
+@dataclass(frozen=True)
 class StagePlan:
     """One SPMD program (or, in a pipeline, one stage's programs) on one (sub)mesh."""
 
@@ -126,6 +139,7 @@ class StagePlan:
     param_mode: str = ""                        # pipeline stages: "fast" (ILP free) or "sharded" (params most sharded)
     remat: StageRemat | None = None
     layers: tuple[LayerLayout, ...] = ()
+    kernels: tuple[KernelUse, ...] = ()         # tuned kernels considered for this stage's ops
 
 
 @dataclass(frozen=True)

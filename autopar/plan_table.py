@@ -64,6 +64,16 @@ def render_plan(plan, max_rows: int = 40, width: int = 160) -> str:
             con.print(f"... {len(rows) - max_rows} more rows (autopar inspect --all shows them)")
         if s.collectives:
             con.print("predicted collectives: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(s.collectives.items())))
+        if s.kernels:
+            kt = Table(title=f"stage {i} kernels ({sum(k.used for k in s.kernels)} of {len(s.kernels)} ops on tuned "
+                             f"kernels; times of the local op on one device)")
+            for c in ("op", "task", "serves", "tuned", "XLA", "why"):
+                kt.add_column(c)
+            for k in s.kernels[:max_rows]:
+                kt.add_row(str(k.op), k.workload_key, "tuned kernel" if k.used else "XLA",
+                           _fmt_s(k.tuned_s) if k.tuned_s is not None else "-",
+                           _fmt_s(k.xla_s) if k.xla_s is not None else "-", k.reason)
+            con.print(kt)
     if plan.remat is not None:
         r = plan.remat
         line = f"remat: mode={r.mode} applied={r.applied}"

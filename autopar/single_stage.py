@@ -32,6 +32,7 @@ class SingleStagePlanned:
     plan: Plan
     graph: OpGraph
     sharding: ShardingPlan
+    kernels: Any = None             # kernel_choice.ChosenKernels, when tuned kernels serve ops
 
 
 class SingleStageExecutable:
@@ -40,9 +41,11 @@ class SingleStageExecutable:
     def __init__(self, planned: SingleStagePlanned, devices: Sequence[Any], donate_argnums: Sequence[int], args: tuple):
         self.plan = planned.plan
         self.graph = planned.graph
+        self.planned = planned
         flat_donate = flat_indices(args, donate_argnums)
         mesh = build_mesh(devices, planned.sharding.mesh_shape)
-        self.jitted = sharded_function(planned.graph, planned.sharding, mesh, flat_donate)
+        overrides = kernel_overrides(planned, mesh)
+        self.jitted = sharded_function(planned.graph, planned.sharding, mesh, flat_donate, overrides=overrides)
         self.in_shardings = input_shardings(planned.graph, planned.sharding, mesh)
 
     def _flat_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
@@ -59,6 +62,31 @@ class SingleStageExecutable:
 
     def lower(self, *args, **kwargs) -> LoweredStep:
         return LoweredStep([self.jitted.lower(*self._flat_inputs(args, kwargs))])
+
+
+def kernel_overrides(planned: SingleStagePlanned, mesh: Any) -> dict:
+    """Op index -> the tuned kernel's replacement, for the ops kernels serve."""
+    from autopar.kernel_choice import site_override
+    from autopar.kernel_sites import matmul_sites
+
+    if planned.kernels is None or not planned.kernels.kernels:
+        return {}
+    sites = {s.op: s for s in matmul_sites(planned.graph, planned.sharding.var_specs, planned.sharding.mesh_shape)}
+    return {op: site_override(sites[op], k, mesh) for op, k in planned.kernels.kernels.items() if op in sites}
+
+
+def with_kernels(planned: SingleStagePlanned, request: PlanRequest) -> SingleStagePlanned:
+    """The plan with tuned kernels chosen for its matmuls (`request.kernels`), recorded in
+    its stage; needs this machine's devices (kernels are timed against XLA here)."""
+    from autopar.kernel_choice import choose_kernels
+    from autopar.kernel_sites import matmul_sites
+
+    if request.kernels == "xla" or request.devices is None:
+        return planned
+    sites = matmul_sites(planned.graph, planned.sharding.var_specs, planned.sharding.mesh_shape)
+    chosen = choose_kernels(planned.graph, sites, request.kernels, request.tuning_trials, request.tuning_db)
+    stage = replace(planned.plan.stages[0], kernels=chosen.uses)
+    return replace(planned, plan=replace(planned.plan, stages=(stage,)), kernels=chosen)
 
 
 def trace_step(fun, args: tuple, kwargs: dict) -> OpGraph:
@@ -94,6 +122,7 @@ def plan(method: Any, request: PlanRequest) -> SingleStagePlanned:
     if request.devices is not None and planned.plan.remat.applied == "rockmate" \
             and request.memory_budget_bytes is not None:
         planned = _fit_remat(method, request, planned, costs)
+    planned = with_kernels(planned, request)
     return replace(planned, plan=replace(planned.plan, planning_time_s=time.perf_counter() - t0))
 
 
@@ -305,7 +334,7 @@ def restore(plan: Plan, request: PlanRequest) -> SingleStagePlanned:
     out_specs = tuple(spec(t, graph.vars[v].shape) for t, v in zip(st.outputs, outs))
     sp = ShardingPlan(mesh_shape, var_specs, {}, out_specs, st.predicted_time_s, st.compute_s, st.comm_s,
                       st.reshard_s, st.memory_bytes, st.argument_bytes, (), "reused", 0.0, 0, 0)
-    return SingleStagePlanned(plan, graph, sp)
+    return with_kernels(SingleStagePlanned(plan, graph, sp), request)
 
 
 def build(planned: SingleStagePlanned, request: PlanRequest) -> SingleStageExecutable:

@@ -129,6 +129,9 @@ class PipeshardParallel:
         from autopar.pipeline.record import to_plan
 
         t0 = time.perf_counter()
+        if request.kernels != "xla":
+            raise ValueError(f"kernels={request.kernels!r} is not supported by pipelines yet (their stages run "
+                             f"XLA's code); use it with a single-program method (method='auto') or kernels='xla'")
         planner = self._planner(request)
         spmd = self._plan_spmd(request, planner)
         if self.lowering == "spmd":

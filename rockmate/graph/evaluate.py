@@ -4,7 +4,7 @@ The lowering uses the `on_output` hook to put sharding constraints on chosen val
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -14,12 +14,18 @@ from rockmate.graph.op_graph import Op, OpGraph
 OutputHook = Callable[[Op, int, Any], Any]
 
 
-def eval_graph(graph: OpGraph, flat_args: Sequence[Any], on_output: OutputHook | None = None) -> list[Any]:
+OpOverride = Callable[[list], list]
+
+
+def eval_graph(graph: OpGraph, flat_args: Sequence[Any], on_output: OutputHook | None = None,
+               overrides: Mapping[int, OpOverride] | None = None) -> list[Any]:
     """Evaluate `graph` on flat arguments; return the flat outputs.
 
     `on_output(op, var_id, value) -> value` sees every output of every top-level op and
     may replace it (e.g. with `jax.lax.with_sharding_constraint(value, ...)`). Ops inside
     a scan body are not visited: the scan is bound whole with its original params.
+    `overrides[i](inputs) -> outputs` computes op i instead of its primitive (e.g. a tuned
+    kernel for the same op).
     """
     if len(flat_args) != len(graph.invars):
         raise ValueError(
@@ -27,12 +33,12 @@ def eval_graph(graph: OpGraph, flat_args: Sequence[Any], on_output: OutputHook |
             "flatten (args, kwargs) with jax.tree_util.tree_leaves, as trace_graph did."
         )
     env: dict[int, Any] = dict(zip(graph.invars, flat_args))
-    eval_ops(graph, env, on_output=on_output)
+    eval_ops(graph, env, on_output=on_output, overrides=overrides)
     return [env[v] if v in env else graph.literals[v] for v in graph.outvars]
 
 
 def eval_ops(graph: OpGraph, env: dict[int, Any], ops: Iterable[int] | None = None,
-             on_output: OutputHook | None = None) -> None:
+             on_output: OutputHook | None = None, overrides: Mapping[int, OpOverride] | None = None) -> None:
     """Evaluate the ops at indices `ops` (default: all, in order), reading operands from
     `env` (var id -> value; literals come from `graph.literals`) and writing every result
     into `env`. Planners that run a graph piece by piece call this: rockmate re-runs a
@@ -42,9 +48,12 @@ def eval_ops(graph: OpGraph, env: dict[int, Any], ops: Iterable[int] | None = No
     for i in range(len(graph.ops)) if ops is None else ops:
         op = graph.ops[i]
         args = [env[v] if v in env else literals[v] for v in op.inputs]
-        outs = op.primitive.bind(*args, **op.primitive.get_bind_params(op.params))
-        if not op.primitive.multiple_results:
-            outs = (outs,)
+        if overrides and i in overrides:
+            outs = overrides[i](args)
+        else:
+            outs = op.primitive.bind(*args, **op.primitive.get_bind_params(op.params))
+            if not op.primitive.multiple_results:
+                outs = (outs,)
         for vid, value in zip(op.outputs, outs):
             env[vid] = on_output(op, vid, value) if on_output is not None else value
 

@@ -1,0 +1,182 @@
+"""Tuned kernels for a planned program: tune (or look up) the local matmul of every site,
+time each against XLA's own code for the same local op, head to head on one device of this
+machine, and keep a kernel only where it is faster. The comparison is stored in the
+tuning DB (profile kind "kernel_vs_xla", keyed by the site's local op and the target) with
+the records, so `kernels="cached"` reuses it.
+
+Anything that goes wrong (no compiler, a kernel that fails to build or to match XLA's
+result, an interrupted tuning run) leaves the affected ops to XLA, and says so once.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from autopar.kernel_sites import MatmulSite, site_task
+from autopar.plan import KernelUse
+from autopar.sharding_spec import to_partition_spec
+
+KERNEL_MODES = ("xla", "cached", "tuned")
+PROFILE_KIND = "kernel_vs_xla"
+
+
+@dataclass
+class ChosenKernels:
+    """The decision for one program: what serves each site, and the kernels to call."""
+
+    uses: tuple[KernelUse, ...]
+    kernels: dict[int, Any]            # op index -> search.Kernel, for the sites it serves
+    shim: Any = None                   # the FFI shim the kernels are called through
+
+
+def local_call(site: MatmulSite, kernel: Any) -> Callable[[Any, Any], Any]:
+    """The site's op on one device's operands, through the kernel."""
+    from autopar.ffi_kernels import call_kernel
+
+    def run(lhs, rhs):
+        a = jnp.transpose(lhs, site.lhs_perm).reshape(site.M, site.K)
+        b = jnp.transpose(rhs, site.rhs_perm).reshape(site.K, site.N)
+        return call_kernel(kernel, a, b).reshape(site.out_local)
+    return run
+
+
+def site_override(site: MatmulSite, kernel: Any, mesh: Mesh | None) -> Callable[[list], list]:
+    """The op replaced by the kernel on every device's block (`eval_graph`'s override)."""
+    run = local_call(site, kernel)
+    if mesh is None or mesh.devices.size == 1:
+        return lambda inputs: [run(*inputs)]
+    f = jax.shard_map(run, mesh=mesh, in_specs=(to_partition_spec(site.lhs_spec), to_partition_spec(site.rhs_spec)),
+                      out_specs=to_partition_spec(site.out_spec), check_vma=False)
+    return lambda inputs: [f(*inputs)]
+
+
+def _time(fn: Callable, args: Sequence[Any], repeats: int = 7) -> float:
+    """Best wall time of a jitted call (after a warm-up), seconds."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def head_to_head(site: MatmulSite, kernel: Any, dimension_numbers: Any, rounds: int = 3) -> tuple[float, float, float]:
+    """(kernel s, XLA s, max relative error of the kernel) for the site's local op on one
+    device, timed in interleaved rounds."""
+    rng = np.random.default_rng(0)
+    lhs = jnp.asarray(rng.standard_normal(site.lhs_local, np.float32))
+    rhs = jnp.asarray(rng.standard_normal(site.rhs_local, np.float32))
+    tuned = jax.jit(local_call(site, kernel))
+    xla = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers))
+    want = np.asarray(xla(lhs, rhs))
+    got = np.asarray(tuned(lhs, rhs))
+    err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-30))
+    t_k, t_x = float("inf"), float("inf")
+    for _ in range(rounds):
+        t_k = min(t_k, _time(tuned, (lhs, rhs)))
+        t_x = min(t_x, _time(xla, (lhs, rhs)))
+    return t_k, t_x, err
+
+
+def _profile_key(site: MatmulSite, workload: str, target: str) -> str:
+    return f"{workload}|lhs{site.lhs_local}{site.lhs_perm}|rhs{site.rhs_local}{site.rhs_perm}|{target}"
+
+
+class _Notes:
+    """Warnings about ops left to XLA, each said once per choice."""
+
+    def __init__(self):
+        self.seen: set[str] = set()
+
+    def say(self, message: str) -> None:
+        if message not in self.seen:
+            self.seen.add(message)
+            warnings.warn(f"autopar kernels: {message}; those ops run with XLA's code", stacklevel=4)
+
+
+def choose_kernels(graph: Any, sites: Sequence[MatmulSite], mode: str, trials: int, db: Any = None,
+                   measure: Callable | None = None) -> ChosenKernels:
+    """Kernels for `sites` of `graph`: `mode` "tuned" tunes every distinct local matmul with
+    `trials` trials each (the task scheduler spends them where the expected gain is
+    largest), "cached" uses only what the tuning DB holds."""
+    from search import tune_tasks
+    from search.backend import CBackend
+    from search.tune import best_schedule, build, open_db
+
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels={mode!r}: use one of {KERNEL_MODES}")
+    if mode == "xla" or not sites:
+        return ChosenKernels(uses=(), kernels={})
+    measure = measure or head_to_head
+    notes = _Notes()
+    try:
+        from autopar.ffi_kernels import FfiShim
+
+        shim = FfiShim.get()
+    except Exception as e:           # no C++ compiler, failed build: the whole step on XLA
+        notes.say(f"the FFI shim is unavailable ({e})")
+        return ChosenKernels(uses=tuple(KernelUse(op=s.op, workload_key=site_task(s).workload_key, used=False,
+                                                  reason="FFI shim unavailable") for s in sites), kernels={})
+    database, owned = open_db(db)
+    try:
+        tasks = {}
+        counts: dict[str, int] = {}
+        for s in sites:
+            t = site_task(s)
+            tasks.setdefault(t.workload_key, t)
+            counts[t.workload_key] = counts.get(t.workload_key, 0) + 1
+        if mode == "tuned":
+            keys = sorted(tasks)
+            try:
+                # rounds no larger than the per-task budget, so every task gets measured
+                tune_tasks([tasks[k] for k in keys], trials=trials * len(keys), weights=[counts[k] for k in keys],
+                           db=database, batch_size=max(1, min(16, trials)))
+            except KeyboardInterrupt:
+                notes.say("tuning was interrupted; using what it measured")
+            except Exception as e:
+                notes.say(f"tuning failed ({type(e).__name__}: {e}); using what the tuning DB held")
+        target = CBackend().target_key()
+        built: dict[str, Any] = {}
+        for key, task in tasks.items():
+            schedule = best_schedule(task, database)
+            if schedule is None:
+                continue
+            try:
+                built[key] = build(task, schedule)
+            except Exception as e:
+                notes.say(f"building the kernel of {task} failed ({type(e).__name__}: {e})")
+        uses, kernels = [], {}
+        for s in sites:
+            key = site_task(s).workload_key
+            kernel = built.get(key)
+            if kernel is None:
+                uses.append(KernelUse(op=s.op, workload_key=key, used=False, reason="no tuned schedule"))
+                continue
+            pkey = _profile_key(s, key, target)
+            prof = database.get_profile(PROFILE_KIND, pkey)
+            if prof is None or prof.get("schedule") != repr(kernel.schedule):
+                t_k, t_x, err = measure(s, kernel, graph.ops[s.op].params["dimension_numbers"])
+                prof = {"tuned_s": t_k, "xla_s": t_x, "rel_error": err, "schedule": repr(kernel.schedule)}
+                database.put_profile(PROFILE_KIND, pkey, prof)
+            if prof["rel_error"] > 1e-4:
+                notes.say(f"the kernel of {key} does not match XLA's result (relative error {prof['rel_error']:.2g})")
+                uses.append(KernelUse(op=s.op, workload_key=key, tuned_s=prof["tuned_s"], xla_s=prof["xla_s"],
+                                      used=False, reason="wrong result"))
+                continue
+            faster = prof["tuned_s"] < prof["xla_s"]
+            uses.append(KernelUse(op=s.op, workload_key=key, tuned_s=prof["tuned_s"], xla_s=prof["xla_s"],
+                                  used=faster, reason="faster than XLA" if faster else "slower than XLA"))
+            if faster:
+                kernels[s.op] = kernel
+        return ChosenKernels(uses=tuple(uses), kernels=kernels, shim=shim)
+    finally:
+        if owned:
+            database.close()

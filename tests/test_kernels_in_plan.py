@@ -1,0 +1,182 @@
+"""Tuned C kernels inside a planned step (`parallelize(kernels="tuned"|"cached")`): the
+plan's matmuls on each device's local shapes, called through `jax.ffi` as custom calls
+`autopar_kernel`; the step equals `jax.jit` on 1 device and on 1x8 and 2x4 meshes, a kernel
+slower than XLA's code or with a wrong result is not used, and without a compiler the step
+runs on XLA's code and says so."""
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import autopar
+from autopar import kernel_choice
+from autopar.ffi_kernels import FfiShim
+from autopar.kernel_sites import matmul_sites, site_task
+from models import make
+from rockmate.graph import trace_graph
+
+
+MESHES = [None, (1, 8), (2, 4)]
+HEAD_TO_HEAD = kernel_choice.head_to_head
+
+
+def _pstep(step, mesh, **kw):
+    method = autopar.ShardParallel(mesh_shape=mesh) if mesh else "auto"
+    devices = jax.devices()[:1] if mesh is None else jax.devices()
+    return autopar.parallelize(step, devices=devices, method=method, **kw)
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    """A tuning DB with one schedule (the untransformed loop nest) for every local matmul of
+    the MLP and GPT plans below, written as records so that these tests compile kernels but
+    do not tune; `test_tuned_for_real` runs the search itself."""
+    from search import TuningRecord
+    from search.backend import CBackend
+
+    path = str(tmp_path_factory.mktemp("kernels") / "tuning.db")
+    backend = CBackend()
+    tasks = {}
+    for model in ("mlp", "gpt"):
+        step, state, batch = make(model, "sgd")
+        for mesh in MESHES:
+            planned = _pstep(step, mesh)._executable((state, batch), {}).planned
+            for site in matmul_sites(planned.graph, planned.sharding.var_specs, planned.sharding.mesh_shape):
+                t = site_task(site)
+                tasks[t.workload_key] = t
+    with autopar.TuningDB(path) as database:
+        database.add_many(TuningRecord(workload_key=k, task=t.to_dict(), target_key=backend.target_key(),
+                                       target=backend.target(), schedule=[], latencies_s=(1.0,))
+                          for k, t in tasks.items())
+    return path
+
+
+def _leaves_close(got, want, rtol=1e-4):
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * (np.abs(b).max() + 1e-12))
+
+
+def _kernels_win(site, kernel, dims):
+    """head_to_head with the real numerics check but the kernel reported faster."""
+    t_k, t_x, err = HEAD_TO_HEAD(site, kernel, dims, rounds=1)
+    return 0.0, 1.0, err
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("mesh", MESHES)
+def test_step_with_kernels_equals_jit(model, mesh, db, monkeypatch, tmp_path):
+    monkeypatch.setattr(kernel_choice, "head_to_head", _kernels_win)
+    local_db = tmp_path / "copy.db"      # the forced timings stay out of the shared DB
+    local_db.write_bytes(open(db, "rb").read())
+    step, state, batch = make(model, "sgd")
+    pstep = _pstep(step, mesh, kernels="cached", tuning_db=str(local_db))
+    s1, loss1 = pstep(state, batch)
+    s2, loss2 = pstep(s1, batch)
+    r1, rl1 = jax.jit(step)(state, batch)
+    r2, rl2 = jax.jit(step)(r1, batch)
+    np.testing.assert_allclose([float(loss1), float(loss2)], [float(rl1), float(rl2)], rtol=1e-4)
+    _leaves_close(s2, r2)
+    uses = pstep.plan.stages[0].kernels
+    used = [k for k in uses if k.used]
+    assert used, uses
+    text = pstep.lower(state, batch).compile().as_text()
+    assert text.count('custom_call_target="autopar_kernel"') >= len(used)
+    # forward and backward matmuls are both served: ops after the loss are the gradient's
+    graph = trace_graph(step, state, batch)
+    assert {graph.ops[k.op].name for k in used} == {"dot_general"}
+    assert len(used) >= 2
+
+
+def test_slower_or_wrong_kernels_are_not_used(db, monkeypatch, tmp_path):
+    step, state, batch = make("mlp", "sgd")
+    local_db = tmp_path / "copy.db"
+    local_db.write_bytes(open(db, "rb").read())
+    monkeypatch.setattr(kernel_choice, "head_to_head", lambda site, kernel, dims: (2.0, 1.0, 0.0))
+    pstep = autopar.parallelize(step, devices=jax.devices()[:1], kernels="cached", tuning_db=str(local_db))
+    pstep(state, batch)
+    uses = pstep.plan.stages[0].kernels
+    assert uses and not any(k.used for k in uses)
+    assert {k.reason for k in uses} <= {"slower than XLA", "no tuned schedule"}
+    assert "autopar_kernel" not in pstep.lower(state, batch).compile().as_text()
+
+    monkeypatch.setattr(kernel_choice, "head_to_head", lambda site, kernel, dims: (0.0, 1.0, 0.5))
+    other_db = tmp_path / "other.db"
+    other_db.write_bytes(open(db, "rb").read())
+    with pytest.warns(UserWarning, match="does not match XLA's result"):
+        pstep = autopar.parallelize(step, devices=jax.devices()[:1], kernels="cached", tuning_db=str(other_db))
+        out = pstep(state, batch)
+    assert not any(k.used for k in pstep.plan.stages[0].kernels)
+    _leaves_close(out, jax.jit(step)(state, batch))
+
+
+def test_tuned_for_real(tmp_path, monkeypatch):
+    """The whole path: the search tunes every local matmul of the MLP's plan (2 trials
+    each), each kernel is timed against XLA's code head to head, the faster one serves the
+    op; the comparison is stored and `kernels="cached"` reuses it without measuring again."""
+    step, state, batch = make("mlp", "sgd")
+    path = str(tmp_path / "tuning.db")
+    pstep = autopar.parallelize(step, devices=jax.devices()[:1], kernels="tuned", tuning_trials=2, tuning_db=path)
+    out = pstep(state, batch)
+    uses = pstep.plan.stages[0].kernels
+    timed = [k for k in uses if k.tuned_s is not None]
+    assert len(timed) == len(uses) > 0           # every task got a schedule
+    assert all(k.used == (k.tuned_s < k.xla_s) for k in timed)
+    _leaves_close(out, jax.jit(step)(state, batch))
+    with autopar.TuningDB(path) as database:
+        assert len(database.profiles(kernel_choice.PROFILE_KIND)) >= len({k.workload_key for k in uses})
+
+    def no_measuring(*args):
+        raise AssertionError("kernels='cached' measured again")
+
+    monkeypatch.setattr(kernel_choice, "head_to_head", no_measuring)
+    again = autopar.parallelize(step, devices=jax.devices()[:1], kernels="cached", tuning_db=path)
+    again(state, batch)
+    assert again.plan.stages[0].kernels == uses
+    summary = again.plan.summary()          # what `autopar inspect` prints
+    assert f"{sum(k.used for k in uses)} of {len(uses)} ops on tuned kernels" in summary
+    assert uses[0].workload_key in summary
+    assert autopar.Plan.from_json(again.plan.to_json()).stages[0].kernels == uses
+
+
+def test_sites_are_local_matmuls_under_the_plan():
+    step, state, batch = make("mlp", "sgd")
+    graph = trace_graph(step, state, batch)
+    sites = matmul_sites(graph, {}, (1, 1))
+    x = graph.ops[sites[0].op]
+    assert all(graph.ops[s.op].name == "dot_general" for s in sites)
+    # the first dense layer, batch 16 x 32 features -> 64: forward (M, N, K) = (16, 64, 32) and
+    # its weight gradient dY^T . X (64, 32, 16); the second's input gradient dY . W^T (16, 64, 64)
+    shapes = {(s.M, s.N, s.K) for s in sites}
+    assert {(16, 64, 32), (64, 32, 16), (16, 64, 64)} <= shapes and x.name == "dot_general"
+    # split the batch 8 ways: the forward's local M shrinks; a split contraction is left to XLA
+    specs = {v: ((0,),) + ((),) * (len(graph.vars[v].shape) - 1) for v in graph.vars
+             if graph.vars[v].shape and graph.vars[v].shape[0] == 16}
+    local = matmul_sites(graph, specs, (8, 1))
+    assert (2, 64, 32) in {(s.M, s.N, s.K) for s in local}
+    assert all(not any(s.lhs_spec[d] for d in range(len(s.lhs_spec)) if d in
+                       graph.ops[s.op].params["dimension_numbers"][0][0]) for s in local)
+
+
+def test_no_compiler_runs_on_xla_and_says_so_once(monkeypatch, tmp_path):
+    monkeypatch.setattr(FfiShim, "_instance", None)
+    monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    step, state, batch = make("mlp", "sgd")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pstep = autopar.parallelize(step, devices=jax.devices()[:1], kernels="cached", tuning_db=str(tmp_path / "d.db"))
+        out = pstep(state, batch)
+    said = [w for w in caught if "FFI shim is unavailable" in str(w.message)]
+    assert len(said) == 1 and "no C++ compiler" in str(said[0].message)
+    assert not any(k.used for k in pstep.plan.stages[0].kernels)
+    _leaves_close(out, jax.jit(step)(state, batch))
+
+
+def test_bad_options():
+    step = make("mlp", "sgd")[0]
+    with pytest.raises(ValueError, match="kernels='fast'"):
+        autopar.parallelize(step, kernels="fast")
+    with pytest.raises(ValueError, match="tuning_trials"):
+        autopar.parallelize(step, kernels="tuned", tuning_trials=0)
