@@ -28,28 +28,31 @@ def _pstep(step, mesh, **kw):
 
 
 @pytest.fixture(scope="module")
-def db(tmp_path_factory):
-    """A tuning DB with one schedule (the untransformed loop nest) for every local matmul of
-    the MLP and GPT plans below, written as records so that these tests compile kernels but
-    do not tune; `test_tuned_for_real` runs the search itself."""
+def planned(tmp_path_factory):
+    """(tuning DB path, {(model, mesh): plan}): the plans of the MLP and the GPT on each
+    mesh (made once; the tests restore them), and a tuning DB with one schedule (the
+    untransformed loop nest) for every local matmul of those plans, written as records so
+    that these tests compile kernels but do not tune; `test_tuned_for_real` runs the search."""
     from search import TuningRecord
     from search.backend import CBackend
 
     path = str(tmp_path_factory.mktemp("kernels") / "tuning.db")
     backend = CBackend()
-    tasks = {}
+    tasks, plans = {}, {}
     for model in ("mlp", "gpt"):
         step, state, batch = make(model, "sgd")
         for mesh in MESHES:
-            planned = _pstep(step, mesh)._executable((state, batch), {}).planned
-            for site in matmul_sites(planned.graph, planned.sharding.var_specs, planned.sharding.mesh_shape):
+            exe = _pstep(step, mesh)._executable((state, batch), {})
+            plans[(model, mesh)] = exe.plan
+            graph, sharding = exe.planned.graph, exe.planned.sharding
+            for site in matmul_sites(graph, sharding.var_specs, sharding.mesh_shape):
                 t = site_task(site)
                 tasks[t.workload_key] = t
     with autopar.TuningDB(path) as database:
         database.add_many(TuningRecord(workload_key=k, task=t.to_dict(), target_key=backend.target_key(),
                                        target=backend.target(), schedule=[], latencies_s=(1.0,))
                           for k, t in tasks.items())
-    return path
+    return path, plans
 
 
 def _leaves_close(got, want, rtol=1e-4):
@@ -66,12 +69,13 @@ def _kernels_win(site, kernel, dims):
 
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 @pytest.mark.parametrize("mesh", MESHES)
-def test_step_with_kernels_equals_jit(model, mesh, db, monkeypatch, tmp_path):
+def test_step_with_kernels_equals_jit(model, mesh, planned, monkeypatch, tmp_path):
+    db, plans = planned
     monkeypatch.setattr(kernel_choice, "head_to_head", _kernels_win)
     local_db = tmp_path / "copy.db"      # the forced timings stay out of the shared DB
     local_db.write_bytes(open(db, "rb").read())
     step, state, batch = make(model, "sgd")
-    pstep = _pstep(step, mesh, kernels="cached", tuning_db=str(local_db))
+    pstep = _pstep(step, mesh, kernels="cached", tuning_db=str(local_db), plan=plans[(model, mesh)])
     s1, loss1 = pstep(state, batch)
     s2, loss2 = pstep(s1, batch)
     r1, rl1 = jax.jit(step)(state, batch)
@@ -89,7 +93,8 @@ def test_step_with_kernels_equals_jit(model, mesh, db, monkeypatch, tmp_path):
     assert len(used) >= 2
 
 
-def test_slower_or_wrong_kernels_are_not_used(db, monkeypatch, tmp_path):
+def test_slower_or_wrong_kernels_are_not_used(planned, monkeypatch, tmp_path):
+    db = planned[0]
     step, state, batch = make("mlp", "sgd")
     local_db = tmp_path / "copy.db"
     local_db.write_bytes(open(db, "rb").read())
