@@ -119,8 +119,24 @@ def launch(script: str, script_args: Sequence[str], *, num_processes: int, devic
     return first_failure
 
 
+def _die_with_launcher() -> None:
+    """Linux: have the kernel kill this process when the launcher dies, however it dies (a
+    test's timeout SIGKILLs the launcher; its children must not live on, possibly hung)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if os.getppid() == 1:            # the launcher died before the line above
+        os._exit(137)
+
+
 def run_child(script: str, script_args: Sequence[str]) -> None:
     """Inside one launched process: join the run, then execute the script as __main__."""
+    _die_with_launcher()
     distributed.initialize_from_env()
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

@@ -96,6 +96,37 @@ def test_killed_process_makes_the_other_fail_and_its_checkpoint_resumes(tmp_path
     _check_run(np.load(out), "resume", losses[1:], params)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
+def test_children_die_with_a_killed_launcher(tmp_path):
+    """A launcher killed outright (e.g. by a test's timeout) takes its processes with it."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(300)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "autopar.launch", "-n", "2", "--devices-per-process", "1",
+                                 str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE)
+    pids, t0 = [], time.monotonic()
+    while len(pids) < 2 and time.monotonic() - t0 < 120:
+        line = launcher.stdout.readline()
+        if not line:
+            break
+        if "] pid " in line:
+            pids.append(int(line.split()[-1]))
+    launcher.kill()
+    launcher.wait()
+    assert len(pids) == 2, pids
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
 def test_launcher_environment_and_bad_input(tmp_path):
     from autopar import distributed
     from autopar.launch import child_env, launch as run_launcher
