@@ -25,7 +25,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar.distributed import barrier, everywhere, to_global
 
 FORMAT_VERSION = 1
 BARRIER_TIMEOUT_MS = 10 * 60 * 1000
@@ -65,14 +66,6 @@ def _chunks(x: jax.Array) -> list[tuple[tuple[int, ...], tuple[int, ...], Any]]:
     return [(tuple(b[0] for b in bounds), tuple(b[1] for b in bounds), dev) for bounds, dev in sorted(owner.items())]
 
 
-def _as_global(x: Any) -> jax.Array:
-    if isinstance(x, jax.Array):
-        return x
-    host = np.asarray(x)
-    mesh = Mesh(np.array(jax.devices()), ("devices",))
-    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, PartitionSpec()), lambda i: host[i])
-
-
 def save_checkpoint(path: str | os.PathLike, tree: Any) -> None:
     """Save a pytree of arrays (global jax.Arrays of any layout, or host values) to the
     directory `path`, replacing an earlier checkpoint there only once the new one is whole.
@@ -88,7 +81,7 @@ def save_checkpoint(path: str | os.PathLike, tree: Any) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     records = []
     for k, (keypath, leaf) in enumerate(leaves):
-        x = _as_global(leaf)
+        x = leaf if isinstance(leaf, jax.Array) else to_global(leaf, everywhere())
         chunks = []
         for start, stop, device in _chunks(x):
             name = f"leaf{k}/" + ("_".join(map(str, start)) or "scalar") + ".bin"
@@ -119,10 +112,7 @@ def save_checkpoint(path: str | os.PathLike, tree: Any) -> None:
 
 
 def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax._src import distributed
-
-        distributed.global_state.client.wait_at_barrier(name, BARRIER_TIMEOUT_MS)
+    barrier(name, BARRIER_TIMEOUT_MS)
 
 
 def _read_metadata(path: Path) -> list[LeafRecord]:
@@ -150,7 +140,7 @@ def _target_sharding(like: Any) -> jax.sharding.Sharding:
     if isinstance(sharding, jax.sharding.Sharding) and (jax.process_count() == 1
                                                         or not sharding.is_fully_addressable):
         return sharding
-    return NamedSharding(Mesh(np.array(jax.devices()), ("devices",)), PartitionSpec())
+    return everywhere()
 
 
 def restore_checkpoint(path: str | os.PathLike, like: Any) -> Any:

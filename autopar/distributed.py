@@ -86,13 +86,29 @@ def transfer(value: Any, target: NamedSharding) -> Any:
     return jax.device_put(there, target)
 
 
+def everywhere() -> NamedSharding:
+    """Replicated on every device of every process."""
+    return replicated(_device_mesh(jax.devices()))
+
+
+def barrier(name: str, timeout_ms: int) -> None:
+    """Wait until every process reaches the barrier `name` (no-op with one process)."""
+    if is_multi_process():
+        _coordinator().wait_at_barrier(name, timeout_ms)
+
+
+def _coordinator() -> Any:
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
 def fetch(value: Any) -> np.ndarray:
     """A global array's whole value as numpy, in every process (its shards may sit on
     other processes' devices): replicated over all devices, then read locally."""
     if not is_multi_process() or not isinstance(value, jax.Array):
         return np.asarray(value)
-    everywhere = replicated(_device_mesh(jax.devices()))
-    return np.asarray(transfer(value, everywhere).addressable_data(0))
+    return np.asarray(transfer(value, everywhere()).addressable_data(0))
 
 
 def _device_mesh(devices: Sequence[Any]) -> Mesh:
@@ -145,9 +161,7 @@ def shared_text(key: str, make: Callable[[], str]) -> str:
     planner's solver time limits could make two runs differ). Single-process: `make()`."""
     if not is_multi_process():
         return make()
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = _coordinator()
     if jax.process_index() == 0:
         try:
             text = make()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
@@ -33,6 +33,7 @@ class ChosenKernels:
 
     uses: tuple[KernelUse, ...]
     kernels: dict[int, Any]            # op index -> search.Kernel, for the sites it serves
+    sites: dict[int, MatmulSite] = field(default_factory=dict)   # op index -> site, for the same ops
     shim: Any = None                   # the FFI shim the kernels are called through
 
 
@@ -176,7 +177,8 @@ def choose_kernels(graph: Any, sites: Sequence[MatmulSite], mode: str, trials: i
                                   used=faster, reason="faster than XLA" if faster else "slower than XLA"))
             if faster:
                 kernels[s.op] = kernel
-        return ChosenKernels(uses=tuple(uses), kernels=kernels, shim=shim)
+        return ChosenKernels(uses=tuple(uses), kernels=kernels, sites={s.op: s for s in sites if s.op in kernels},
+                             shim=shim)
     finally:
         if owned:
             database.close()

@@ -67,12 +67,10 @@ class SingleStageExecutable:
 def kernel_overrides(planned: SingleStagePlanned, mesh: Any) -> dict:
     """Op index -> the tuned kernel's replacement, for the ops kernels serve."""
     from autopar.kernel_choice import site_override
-    from autopar.kernel_sites import matmul_sites
 
-    if planned.kernels is None or not planned.kernels.kernels:
+    if planned.kernels is None:
         return {}
-    sites = {s.op: s for s in matmul_sites(planned.graph, planned.sharding.var_specs, planned.sharding.mesh_shape)}
-    return {op: site_override(sites[op], k, mesh) for op, k in planned.kernels.kernels.items() if op in sites}
+    return {op: site_override(planned.kernels.sites[op], k, mesh) for op, k in planned.kernels.kernels.items()}
 
 
 def with_kernels(planned: SingleStagePlanned, request: PlanRequest) -> SingleStagePlanned:
