@@ -42,8 +42,9 @@ def local_call(site: MatmulSite, kernel: Any) -> Callable[[Any, Any], Any]:
     from autopar.ffi_kernels import call_kernel
 
     def run(lhs, rhs):
-        a = jnp.transpose(lhs, site.lhs_perm).reshape(site.M, site.K)
-        b = jnp.transpose(rhs, site.rhs_perm).reshape(site.K, site.N)
+        batch = () if site.B is None else (site.B,)
+        a = jnp.transpose(lhs, site.lhs_perm).reshape(*batch, site.M, site.K)
+        b = jnp.transpose(rhs, site.rhs_perm).reshape(*batch, site.K, site.N)
         return call_kernel(kernel, a, b).reshape(site.out_local)
     return run
 

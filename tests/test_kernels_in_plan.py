@@ -91,6 +91,8 @@ def test_step_with_kernels_equals_jit(model, mesh, planned, monkeypatch, tmp_pat
     graph = trace_graph(step, state, batch)
     assert {graph.ops[k.op].name for k in used} == {"dot_general"}
     assert len(used) >= 2
+    if model == "gpt":       # attention's batched products, forward and backward, on kernels too
+        assert sum(k.workload_key.startswith("batch_matmul") for k in used) >= 4
 
 
 def test_slower_or_wrong_kernels_are_not_used(planned, monkeypatch, tmp_path):
@@ -162,6 +164,25 @@ def test_sites_are_local_matmuls_under_the_plan():
     assert (2, 64, 32) in {(s.M, s.N, s.K) for s in local}
     assert all(not any(s.lhs_spec[d] for d in range(len(s.lhs_spec)) if d in
                        graph.ops[s.op].params["dimension_numbers"][0][0]) for s in local)
+
+
+def test_attention_products_are_batched_matmul_sites():
+    """The GPT's attention scores `bqhd,bkhd->bhqk` (batch dims b, h) are a batch_matmul of
+    B = batch x heads; with the batch split 2 ways the local B halves."""
+    step, state, batch = make("gpt", "sgd")
+    graph = trace_graph(step, state, batch)
+    bm = [s for s in matmul_sites(graph, {}, (1, 1)) if s.B is not None]
+    assert bm and all(site_task(s).op == "batch_matmul" for s in bm)
+    tokens = batch[0].shape
+    heads = 2                                  # tests/models.py's GPT
+    assert {s.B for s in bm} == {tokens[0] * heads}
+    split = {v: ((0,),) + ((),) * (len(graph.vars[v].shape) - 1) for v in graph.vars
+             if len(graph.vars[v].shape) == 4 and graph.vars[v].shape[0] == tokens[0]}
+    local = [s for s in matmul_sites(graph, split, (2, 1)) if s.B is not None]
+    assert {s.B for s in local} == {tokens[0] * heads // 2}
+    # an operand whose batch dim is split while the other's is whole is left to XLA
+    one_side = {v: spec for v, spec in split.items() if v == graph.ops[bm[0].op].inputs[0]}
+    assert bm[0].op not in {s.op for s in matmul_sites(graph, one_side, (2, 1))}
 
 
 def test_no_compiler_runs_on_xla_and_says_so_once(monkeypatch, tmp_path):
