@@ -110,7 +110,7 @@ def choose_kernels(graph: Any, sites: Sequence[MatmulSite], mode: str, trials: i
     `trials` trials each (the task scheduler spends them where the expected gain is
     largest), "cached" uses only what the tuning DB holds."""
     from search import tune_tasks
-    from search.backend import CBackend
+    from search.backend import CBackend, CompilerNotFoundError
     from search.tune import best_schedule, build, open_db
 
     if mode not in KERNEL_MODES:
@@ -127,6 +127,12 @@ def choose_kernels(graph: Any, sites: Sequence[MatmulSite], mode: str, trials: i
         notes.say(f"the FFI shim is unavailable ({e})")
         return ChosenKernels(uses=tuple(KernelUse(op=s.op, workload_key=site_task(s).workload_key, used=False,
                                                   reason="FFI shim unavailable") for s in sites), kernels={})
+    try:
+        target = CBackend().target_key()
+    except CompilerNotFoundError as e:     # kernels are built with the C compiler: none, none to use
+        notes.say(str(e).rstrip("."))
+        return ChosenKernels(uses=tuple(KernelUse(op=s.op, workload_key=site_task(s).workload_key, used=False,
+                                                  reason="no C compiler") for s in sites), kernels={})
     database, owned = open_db(db)
     try:
         tasks = {}
@@ -145,7 +151,6 @@ def choose_kernels(graph: Any, sites: Sequence[MatmulSite], mode: str, trials: i
                 notes.say("tuning was interrupted; using what it measured")
             except Exception as e:
                 notes.say(f"tuning failed ({type(e).__name__}: {e}); using what the tuning DB held")
-        target = CBackend().target_key()
         built: dict[str, Any] = {}
         for key, task in tasks.items():
             schedule = best_schedule(task, database)
@@ -155,6 +160,12 @@ def choose_kernels(graph: Any, sites: Sequence[MatmulSite], mode: str, trials: i
                 built[key] = build(task, schedule)
             except Exception as e:
                 notes.say(f"building the kernel of {task} failed ({type(e).__name__}: {e})")
+        missing = sorted(set(tasks) - set(built))
+        if missing:
+            why = ("tuning found no valid kernel" if mode == "tuned" else
+                   "the tuning DB holds no kernel (`autopar tune --plan` or kernels=\"tuned\" makes them)")
+            notes.say(f"{why} for {len(missing)} of {len(tasks)} local ops' tasks ({', '.join(missing[:3])}"
+                      f"{', ...' if len(missing) > 3 else ''})")
         uses, kernels = [], {}
         for s in sites:
             key = site_task(s).workload_key
@@ -166,7 +177,8 @@ def choose_kernels(graph: Any, sites: Sequence[MatmulSite], mode: str, trials: i
             prof = database.get_profile(PROFILE_KIND, pkey)
             if prof is None or prof.get("schedule") != repr(kernel.schedule):
                 t_k, t_x, err = measure(s, kernel, graph.ops[s.op].params["dimension_numbers"])
-                prof = {"tuned_s": t_k, "xla_s": t_x, "rel_error": err, "schedule": repr(kernel.schedule)}
+                prof = {"tuned_s": t_k, "xla_s": t_x, "rel_error": err, "schedule": repr(kernel.schedule),
+                        "workload_key": key, "target_key": target}
                 database.put_profile(PROFILE_KIND, pkey, prof)
             if prof["rel_error"] > 1e-4:
                 notes.say(f"the kernel of {key} does not match XLA's result (relative error {prof['rel_error']:.2g})")

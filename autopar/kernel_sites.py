@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.plan import KernelTask
 from autopar.sharding_spec import DimSharding, local_shape, replicated
 from rockmate.graph import OpGraph
 
@@ -82,3 +83,21 @@ def site_task(site: MatmulSite) -> Any:
     if site.B is None:
         return Task.matmul(site.M, site.N, site.K)
     return Task.batch_matmul(site.B, site.M, site.N, site.K)
+
+
+def kernel_tasks(sites: list[MatmulSite]) -> tuple[KernelTask, ...]:
+    """The distinct search tasks of `sites`, each with how many sites it serves, largest first."""
+    counts: dict[str, tuple[Any, int]] = {}
+    for s in sites:
+        t = site_task(s)
+        counts[t.workload_key] = (t, counts.get(t.workload_key, (t, 0))[1] + 1)
+    tasks = [KernelTask(workload_key=k, op=t.op, sizes=tuple((n, int(v)) for n, v in t.params), ops=n)
+             for k, (t, n) in counts.items()]
+    return tuple(sorted(tasks, key=lambda kt: (-search_task(kt).flops * kt.ops, kt.workload_key)))
+
+
+def search_task(kt: KernelTask) -> Any:
+    """The search.Task a plan's KernelTask names."""
+    from search import Task
+
+    return Task.make(kt.op, **dict(kt.sizes))

@@ -106,6 +106,17 @@ class KernelUse:
 
 
 @dataclass(frozen=True)
+class KernelTask:
+    """A kernel-search task of a stage's ops at one device's local shapes: what
+    `autopar tune --plan` tunes and `kernels="tuned"` would."""
+
+    workload_key: str                           # the search task's key in the tuning DB
+    op: str                                     # its compute definition ("matmul", "batch_matmul")
+    sizes: tuple[tuple[str, int], ...]          # its parameters, e.g. (("K", 1024), ("M", 2048), ("N", 4096))
+    ops: int                                    # how many ops of the stage it would serve
+
+
+@dataclass(frozen=True)
 class StagePlan:
     """One SPMD program (or, in a pipeline, one stage's programs) on one (sub)mesh."""
 
@@ -140,6 +151,7 @@ class StagePlan:
     remat: StageRemat | None = None
     layers: tuple[LayerLayout, ...] = ()
     kernels: tuple[KernelUse, ...] = ()         # tuned kernels considered for this stage's ops
+    kernel_tasks: tuple[KernelTask, ...] = ()   # the local ops a tuned kernel could serve, as search tasks
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,10 @@ def render_plan(plan, max_rows: int = 40, width: int = 160) -> str:
                            _fmt_s(k.tuned_s) if k.tuned_s is not None else "-",
                            _fmt_s(k.xla_s) if k.xla_s is not None else "-", k.reason)
             con.print(kt)
+        elif s.kernel_tasks:
+            con.print(f"kernel tasks: {len(s.kernel_tasks)} local ops a tuned kernel could serve "
+                      f"({sum(k.ops for k in s.kernel_tasks)} ops); `autopar tune --plan PLAN.json` tunes them, "
+                      "`kernels=\"cached\"` then uses them")
     if plan.remat is not None:
         r = plan.remat
         line = f"remat: mode={r.mode} applied={r.applied}"

@@ -74,16 +74,19 @@ def kernel_overrides(planned: SingleStagePlanned, mesh: Any) -> dict:
 
 
 def with_kernels(planned: SingleStagePlanned, request: PlanRequest) -> SingleStagePlanned:
-    """The plan with tuned kernels chosen for its matmuls (`request.kernels`), recorded in
-    its stage; needs this machine's devices (kernels are timed against XLA here)."""
+    """The plan with its kernel tasks (the local ops a tuned kernel could serve) recorded in
+    its stage, and with `request.kernels` != "xla" the kernels chosen for them; choosing
+    needs this machine's devices (kernels are timed against XLA here)."""
     from autopar.kernel_choice import choose_kernels
-    from autopar.kernel_sites import matmul_sites
+    from autopar.kernel_sites import kernel_tasks, matmul_sites
 
+    sites = matmul_sites(planned.graph, planned.sharding.var_specs, planned.sharding.mesh_shape)
+    stage = replace(planned.plan.stages[0], kernel_tasks=kernel_tasks(sites))
+    planned = replace(planned, plan=replace(planned.plan, stages=(stage,)))
     if request.kernels == "xla" or request.devices is None:
         return planned
-    sites = matmul_sites(planned.graph, planned.sharding.var_specs, planned.sharding.mesh_shape)
     chosen = choose_kernels(planned.graph, sites, request.kernels, request.tuning_trials, request.tuning_db)
-    stage = replace(planned.plan.stages[0], kernels=chosen.uses)
+    stage = replace(stage, kernels=chosen.uses)
     return replace(planned, plan=replace(planned.plan, stages=(stage,)), kernels=chosen)
 
 

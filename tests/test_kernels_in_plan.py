@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import autopar
+import search.task_scheduler
 from autopar import kernel_choice
 from autopar.ffi_kernels import FfiShim
 from autopar.kernel_sites import matmul_sites, site_task
@@ -19,6 +20,7 @@ from rockmate.graph import trace_graph
 
 MESHES = [None, (1, 8), (2, 4)]
 HEAD_TO_HEAD = kernel_choice.head_to_head
+MEASURE_INTO = search.task_scheduler.measure_into
 
 
 def _pstep(step, mesh, **kw):
@@ -206,3 +208,115 @@ def test_bad_options():
         autopar.parallelize(step, kernels="fast")
     with pytest.raises(ValueError, match="tuning_trials"):
         autopar.parallelize(step, kernels="tuned", tuning_trials=0)
+
+
+def _cli(*argv: str) -> int:
+    from autopar.cli import main
+
+    return main(list(argv))
+
+
+def test_plan_lists_kernel_tasks_and_tune_plan_fills_the_db(tmp_path, capsys, monkeypatch):
+    """Every single-stage plan lists its local ops as kernel tasks (with kernels="xla" too);
+    `autopar tune --plan` tunes exactly those into the DB, after which kernels="cached"
+    with that plan finds a schedule for every op, and `autopar db list` shows each
+    workload's time against XLA's."""
+    step, state, batch = make("mlp", "sgd")
+    pstep = autopar.parallelize(step, devices=jax.devices()[:1])
+    pstep(state, batch)
+    plan = pstep.plan
+    sites = matmul_sites(pstep._executable((state, batch), {}).planned.graph, {}, (1, 1))
+    tasks = plan.stages[0].kernel_tasks
+    assert sum(kt.ops for kt in tasks) == len(sites)
+    assert {kt.workload_key for kt in tasks} == {site_task(s).workload_key for s in sites}
+    assert "autopar tune --plan" in plan.summary()
+    plan_file, db = tmp_path / "plan.json", str(tmp_path / "tuning.db")
+    plan.save(plan_file)
+    assert autopar.Plan.load(plan_file).stages[0].kernel_tasks == tasks
+
+    assert _cli("tune", "--plan", str(plan_file), "--trials", "2", "--db", db) == 0
+    table = capsys.readouterr().out
+    assert all(kt.workload_key in table for kt in tasks), table
+    with autopar.TuningDB(db) as database:
+        assert {kt.workload_key for kt in tasks} <= {k for k, _, _ in database.workloads()}
+    cached = autopar.parallelize(step, devices=jax.devices()[:1], kernels="cached", tuning_db=db, plan=plan)
+    _leaves_close(cached(state, batch), jax.jit(step)(state, batch))
+    uses = cached.plan.stages[0].kernels
+    assert len(uses) == len(sites) and all(k.tuned_s is not None for k in uses)
+    capsys.readouterr()
+    assert _cli("db", "list", "--db", db) == 0
+    listing = capsys.readouterr().out
+    assert "tuned vs XLA" in listing
+    for kt in tasks:
+        row = next(line for line in listing.splitlines() if kt.workload_key[:30] in line)
+        assert row.rstrip(" │").endswith("x"), row      # a speedup for every tuned workload
+
+    assert _cli("tune", "--plan", str(tmp_path / "missing.json"), "--db", db) == 2
+    assert "cannot read plan file" in capsys.readouterr().err
+    assert _cli("tune", "--plan", str(plan_file), "--task", "matmul", "--db", db) == 2
+    assert "leave out --task" in capsys.readouterr().err
+
+
+def _interrupt_after_first_round(monkeypatch):
+    """Make the task scheduler's second measuring round raise KeyboardInterrupt (Ctrl-C)."""
+    import search.task_scheduler as scheduler
+
+    real, calls = MEASURE_INTO, []
+
+    def measure_then_stop(*args, **kw):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(scheduler, "measure_into", measure_then_stop)
+
+
+def test_interrupted_tuning_keeps_records_and_the_step_runs(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during tuning: `autopar tune --plan` exits 130 with the first round's
+    records kept; `kernels="tuned"` says so once, serves the ops it has kernels for from
+    that round, leaves the rest to XLA, and the step equals jax.jit."""
+    step, state, batch = make("mlp", "sgd")
+    pstep = autopar.parallelize(step, devices=jax.devices()[:1])
+    pstep(state, batch)
+    plan_file, db = tmp_path / "plan.json", str(tmp_path / "tuning.db")
+    pstep.plan.save(plan_file)
+    _interrupt_after_first_round(monkeypatch)
+    assert _cli("tune", "--plan", str(plan_file), "--trials", "2", "--db", db) == 130
+    assert "interrupted" in capsys.readouterr().err
+    with autopar.TuningDB(db) as database:
+        assert len(database.workloads()) == 1           # one task's round, kept
+
+    monkeypatch.setattr(kernel_choice, "head_to_head", _kernels_win)
+    _interrupt_after_first_round(monkeypatch)
+    fresh = str(tmp_path / "fresh.db")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tuned = autopar.parallelize(step, devices=jax.devices()[:1], kernels="tuned", tuning_trials=2,
+                                    tuning_db=fresh)
+        out = tuned(state, batch)
+    said = [w for w in caught if "interrupted" in str(w.message)]
+    assert len(said) == 1 and "XLA's code" in str(said[0].message)
+    uses = tuned.plan.stages[0].kernels
+    assert any(k.used for k in uses) and any(k.reason == "no tuned schedule" for k in uses)
+    _leaves_close(out, jax.jit(step)(state, batch))
+
+
+@pytest.mark.parametrize("compiler", ["missing", "broken"])
+def test_no_or_broken_c_compiler_runs_on_xla_and_says_so_once(compiler, tmp_path, monkeypatch):
+    """kernels="tuned" when the C compiler that builds candidate kernels is missing, or
+    exists but fails every build: one warning naming the problem, every op on XLA's code,
+    the step equals jax.jit."""
+    cc = tmp_path / "no-such-cc" if compiler == "missing" else "false"
+    monkeypatch.setenv("CC", str(cc))
+    step, state, batch = make("mlp", "sgd")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pstep = autopar.parallelize(step, devices=jax.devices()[:1], kernels="tuned", tuning_trials=2,
+                                    tuning_db=str(tmp_path / "d.db"))
+        out = pstep(state, batch)
+    said = [str(w.message) for w in caught if "autopar kernels" in str(w.message)]
+    assert len(said) == 1, said
+    assert ("no C compiler" in said[0]) if compiler == "missing" else ("no valid kernel" in said[0])
+    assert pstep.plan.stages[0].kernels and not any(k.used for k in pstep.plan.stages[0].kernels)
+    _leaves_close(out, jax.jit(step)(state, batch))

@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_db_option(parser, default=None)
     sub = parser.add_subparsers(dest="db_command", metavar="{list,show,export,import,remove}")
     sub.required = True
-    p = sub.add_parser("list", help="table of tuned workloads: records, best latency, GFLOP/s")
+    p = sub.add_parser("list", help="table of tuned workloads: records, best latency, GFLOP/s, and XLA's time for "
+                                    "the same op where a planned step compared them")
     _add_db_option(p)
     _add_target_option(p)
     p = sub.add_parser("show", help="the best record of one workload and its schedule steps")
@@ -108,11 +109,36 @@ def _list(db: TuningDB, args: argparse.Namespace) -> int:
     table.add_column("records", justify="right")
     table.add_column("best latency", justify="right")
     table.add_column("GFLOP/s", justify="right")
+    table.add_column("XLA (same op)", justify="right")
+    table.add_column("tuned vs XLA", justify="right")
+    versus = _versus_xla(db, target)
     for key, n_records, best_latency_s in rows:
         best = db.best(key, target) if math.isfinite(best_latency_s) else None
-        table.add_row(key, str(n_records), _format_seconds(best_latency_s), _gflops(best))
-    _console(max(len(key) for key, _, _ in rows) + 50).print(table)
+        xla, ratio = versus.get(key, ("-", "-"))
+        table.add_row(key, str(n_records), _format_seconds(best_latency_s), _gflops(best), xla, ratio)
+    _console(max(len(key) for key, _, _ in rows) + 80).print(table)
     return 0
+
+
+def _versus_xla(db: TuningDB, target: str | None) -> dict[str, tuple[str, str]]:
+    """Workload -> (XLA's time, tuned speedup) from the head-to-head comparisons that
+    `kernels="tuned"|"cached"` stored (one per op layout; a range when layouts differ)."""
+    from autopar.kernel_choice import PROFILE_KIND
+
+    by_key: dict[str, list[dict]] = {}
+    for prof in db.profiles(PROFILE_KIND).values():
+        key = prof.get("workload_key")
+        if key is None or (target is not None and prof.get("target_key") != target):
+            continue
+        by_key.setdefault(key, []).append(prof)
+    out = {}
+    for key, profs in by_key.items():
+        xla = [p["xla_s"] for p in profs]
+        ratios = [p["xla_s"] / p["tuned_s"] for p in profs if p["tuned_s"] > 0]
+        spread = (f"{min(ratios):.2f}x" if max(ratios) - min(ratios) < 0.005 else
+                  f"{min(ratios):.2f}-{max(ratios):.2f}x") if ratios else "-"
+        out[key] = (_format_seconds(min(xla)), spread)
+    return out
 
 
 def _show(db: TuningDB, args: argparse.Namespace) -> int:

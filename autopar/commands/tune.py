@@ -1,6 +1,7 @@
-"""`autopar tune`: tune one kernel on this machine and store every measurement in the tuning DB.
+"""`autopar tune`: tune kernels on this machine and store every measurement in the tuning DB.
 
     autopar tune --task matmul --shape 512,512,512 --trials 256 [--db PATH]
+    autopar tune --plan plan.json --trials 64 [--db PATH]     # every local op of a plan
 """
 from __future__ import annotations
 
@@ -20,13 +21,17 @@ SHAPES = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--task", required=True, choices=sorted(SHAPES), help="operator to tune")
-    parser.add_argument("--shape", required=True,
+    parser.add_argument("--plan", default=None, metavar="PLAN.json",
+                        help="tune the kernel tasks of a saved plan (the local ops of each stage; --trials per task, "
+                             "spent where the expected gain is largest) instead of one --task")
+    parser.add_argument("--task", choices=sorted(SHAPES), help="operator to tune")
+    parser.add_argument("--shape",
                         help="comma-separated sizes: matmul/dense M,N,K; batch_matmul B,M,N,K; softmax/layernorm "
                              "M,N; conv2d N,H,W,CI,CO,KH,KW[,stride,pad] (NHWC)")
     parser.add_argument("--epilogue", choices=["none", "relu", "gelu"], default=None,
                         help="element-wise epilogue of matmul/dense (dense: bias + this; default relu)")
-    parser.add_argument("--trials", type=int, default=64, help="schedules to measure (default 64)")
+    parser.add_argument("--trials", type=int, default=64, help="schedules to measure (default 64; with --plan: "
+                                                               "per task)")
     parser.add_argument("--batch-size", type=int, default=16, help="schedules measured per round")
     parser.add_argument("--policy", choices=["evolutionary", "random"], default="evolutionary")
     parser.add_argument("--db", default=None, help="tuning database path (default: AUTOPAR_TUNING_DB or the "
@@ -71,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
     from search.measure import check_fits_in_memory
     from search.tune import TuneInterrupted
 
+    if args.plan is not None:
+        if args.task or args.shape:
+            return _error("--plan tunes the plan's own tasks; leave out --task and --shape", 2)
+        return run_plan(args)
+    if not (args.task and args.shape):
+        return _error("name a --task and its --shape, or a --plan", 2)
     try:
         task = parse_task(args.task, args.shape, args.epilogue)
         for name in ("trials", "batch_size"):
@@ -104,6 +115,80 @@ def run(args: argparse.Namespace) -> int:
     if args.show_source:
         print(search.build(task, res.best_schedule).source)
     return 0
+
+
+def plan_tasks(plan) -> tuple[list, list[int]]:
+    """(search tasks, how many ops each serves) of every stage of `plan`, merged by workload."""
+    from autopar.kernel_sites import search_task
+
+    counts: dict[str, int] = {}
+    tasks: dict[str, object] = {}
+    for stage in plan.stages:
+        for kt in stage.kernel_tasks:
+            tasks.setdefault(kt.workload_key, search_task(kt))
+            counts[kt.workload_key] = counts.get(kt.workload_key, 0) + kt.ops
+    keys = list(tasks)
+    return [tasks[k] for k in keys], [counts[k] for k in keys]
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Tune every kernel task of a saved plan with --trials trials per task (the task
+    scheduler moves trials to where the expected gain is largest); exit codes as `run`."""
+    import search
+    from autopar.plan import Plan, PlanFileError
+    from search.backend import CBackend, CompilerNotFoundError
+    from search.database import TuningDB, TuningDBError
+    from search.tune import TuneInterrupted
+
+    try:
+        plan = Plan.load(args.plan)
+        for name in ("trials", "batch_size"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+        tasks, counts = plan_tasks(plan)
+        if not tasks:
+            raise ValueError(f"{args.plan} lists no kernel tasks: its stages have no float32 matmuls a kernel "
+                             "could serve (pipeline stages are not covered yet)")
+        db = TuningDB(args.db)
+    except (PlanFileError, ValueError, TuningDBError) as e:
+        return _error(str(e), 2)
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    console.print(f"tuning {len(tasks)} kernel tasks of {args.plan} ({sum(counts)} ops), {args.trials} trials per "
+                  f"task, into {db.path}", highlight=False)
+    done: dict[str, "search.TuneResult"] = {}
+
+    def on_round(results: dict) -> None:
+        done.update(results)
+        n = sum(r.trials for r in results.values())
+        console.print(f"  {n} / {args.trials * len(tasks)} trials", highlight=False)
+
+    with db:
+        try:
+            CBackend().target()
+            results = search.tune_tasks(tasks, trials=args.trials * len(tasks), weights=counts, db=db,
+                                        policy=args.policy, batch_size=min(args.batch_size, args.trials),
+                                        seed=args.seed, callback=on_round, transfer=args.transfer)
+        except CompilerNotFoundError as e:
+            return _error(str(e), 1)
+        except KeyboardInterrupt:
+            kept = sum(len(r.records) for r in done.values())
+            print(f"autopar tune: interrupted; {kept} records kept in {db.path} (every measurement of this run); "
+                  "`kernels=\"cached\"` uses them", file=sys.stderr)
+            return 130
+    from rich.table import Table
+
+    table = Table(title=f"kernel tasks of {args.plan}")
+    for col in ("task", "ops", "trials", "best", "GFLOP/s"):
+        table.add_column(col)
+    for task, n in zip(tasks, counts):
+        r = results[task.workload_key]
+        table.add_row(task.workload_key, str(n), str(r.trials),
+                      f"{r.best_latency_s * 1e3:.3f} ms" if r.best_schedule is not None else "no valid kernel",
+                      f"{r.best_gflops:.1f}" if r.best_schedule is not None else "-")
+    Console(width=140).print(table)
+    return 0 if any(r.best_schedule is not None for r in results.values()) else 1
 
 
 def _tune_with_progress(search, task, db, args: argparse.Namespace):
