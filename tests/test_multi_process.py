@@ -35,63 +35,79 @@ def one_device_reference(steps: int = 2):
     return losses, [np.asarray(x) for x in jax.tree_util.tree_leaves(state[0])], state
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """one_device_reference() for two steps, and the state after one."""
+    losses, params, _ = one_device_reference()
+    return losses, params, one_device_reference(steps=1)[2]
+
+
 def _check_run(got, run: str, losses, params) -> None:
     np.testing.assert_allclose(got[f"{run}_losses"], losses, rtol=1e-4)
     for i, ref in enumerate(params):
         np.testing.assert_allclose(got[f"{run}_p{i}"], ref, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("runs", ["auto,spmd", "pipeshard,token"])
-def test_two_processes_equal_one_device_for_two_steps(runs, tmp_path):
-    """Each run of one launch equals one device for two steps. Pipelines put one stage per
-    process, so activations (token slices, or the SPMD pipeline's ppermutes inside one
-    program) cross between the processes."""
+RUNS = ("auto", "spmd", "pipeshard", "token")
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Two launches (each costs a start of two JAX processes, so every run shares them):
+    one where process 1 is killed after both saved a checkpoint of step 1, then one that
+    resumes from it and does every run of RUNS. (kill launch, its seconds, results file,
+    second launch)."""
+    out = str(tmp_path_factory.mktemp("multi_process") / "result.npz")
+    t0 = time.monotonic()
+    killed = launch("kill", out, timeout_s=300)
+    elapsed = time.monotonic() - t0
+    rest = launch(",".join(("resume",) + RUNS), out, timeout_s=600)
+    return killed, elapsed, out, rest
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_two_processes_equal_one_device_for_two_steps(run, launched, reference):
+    """Each run equals one device for two steps. Pipelines put one stage per process, so
+    activations (token slices, or the SPMD pipeline's ppermutes inside one program) cross
+    between the processes."""
     from models import make
 
-    out = str(tmp_path / "result.npz")
-    launched = launch(runs, out)
-    assert launched.returncode == 0, launched.stdout[-4000:] + launched.stderr[-4000:]
-    got = np.load(out)
+    rest = launched[3]
+    assert rest.returncode == 0, rest.stdout[-4000:] + rest.stderr[-4000:]
+    got = np.load(launched[2])
     assert int(got["num_processes"]) == 2 and int(got["num_devices"]) == 8
-    losses, params, _ = one_device_reference()
-    for run in runs.split(","):
-        if run == "spmd":       # the nn.scan GPT
-            step, state, batch = make("gpt_scan", "sgd")
-            scan_losses = []
-            for _ in range(2):
-                state, loss = jax.jit(step)(state, batch)
-                scan_losses.append(float(loss))
-            _check_run(got, run, scan_losses, [np.asarray(x) for x in jax.tree_util.tree_leaves(state[0])])
-        else:
-            _check_run(got, run, losses, params)
-        if run != "auto":
-            assert got[f"{run}_stages"].tolist() == [[0], [1]]
+    if run == "spmd":       # the nn.scan GPT
+        step, state, batch = make("gpt_scan", "sgd")
+        scan_losses = []
+        for _ in range(2):
+            state, loss = jax.jit(step)(state, batch)
+            scan_losses.append(float(loss))
+        _check_run(got, run, scan_losses, [np.asarray(x) for x in jax.tree_util.tree_leaves(state[0])])
+    else:
+        _check_run(got, run, *reference[:2])
+    if run != "auto":
+        assert got[f"{run}_stages"].tolist() == [[0], [1]]
 
 
-def test_killed_process_makes_the_other_fail_and_its_checkpoint_resumes(tmp_path):
+def test_killed_process_makes_the_other_fail_and_its_checkpoint_resumes(launched, reference):
     """Process 1 dies after both saved a checkpoint of the first step's sharded state: the
     other fails with a clear error, not a hang; the checkpoint restores on this one process
     (8 devices) and on 2 processes, and the second step from it equals one device's."""
-    out = str(tmp_path / "never.npz")
-    t0 = time.monotonic()
-    run = launch("kill", out, timeout_s=300)
-    elapsed = time.monotonic() - t0
+    run, elapsed, out, resumed = launched
     log = run.stdout + run.stderr
     assert run.returncode != 0
     assert "[launch] process 1 exited with code -9" in log
     assert "stopped sending heartbeats" in log          # JAX names the lost peer in process 0
     assert "done kill" not in log
-    assert not (tmp_path / "never.npz").exists()
+    assert "kill_losses" not in np.load(out)           # the killed launch wrote no results
     assert elapsed < 200, elapsed
 
     import autopar
 
-    losses, params, _ = one_device_reference()
-    _, _, after_one = one_device_reference(steps=1)
+    losses, params, after_one = reference
     restored = autopar.restore_checkpoint(out + ".ckpt", like=after_one)
     for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(after_one)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
-    resumed = launch("resume", out)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     _check_run(np.load(out), "resume", losses[1:], params)
 
