@@ -30,12 +30,22 @@ STATEMENT_FEATURES: tuple[str, ...] = (
     "register_tile_elems", "register_tile_vectors",
 )
 
+# Pallas programs: one "statement" per kernel (pallas_call), from search.features_pallas
+PALLAS_FEATURES: tuple[str, ...] = (
+    "flops_total", "flops_math", "dot_share", "recompute",
+    "programs", "waves", "block_elems", "n_stages", "local_elems", "reduce_steps", "padding",
+    "bytes_read", "bytes_written", "bytes_per_program", "arithmetic_intensity",
+)
+
+# a statement's "backend" key says which list its features follow ("c" when it has none)
+BACKEND_FEATURES: dict[str, tuple[str, ...]] = {"c": STATEMENT_FEATURES, "pallas": PALLAS_FEATURES}
+
 Statement = Mapping[str, float]
 
 # normaliser -> the extensive features divided by it
 NORMALISERS: dict[str, tuple[str, ...]] = {
     "out_elems": ("flops_add", "flops_mul", "flops_div", "flops_cmp", "flops_math", "flops_total", "iterations"),
-    "io_bytes": ("bytes_total",),
+    "io_bytes": ("bytes_total", "bytes_read", "bytes_written"),
 }
 _DIVISOR = {f: n for n, fs in NORMALISERS.items() for f in fs}
 
@@ -50,11 +60,26 @@ def _scale(x: float) -> float:
     return math.copysign(math.log2(1.0 + abs(x)), x)
 
 
+def backend_of(programs: Sequence[Sequence[Statement]]) -> str:
+    """The one backend all statements of `programs` come from ("c" for none); ValueError when
+    they mix backends, whose features mean different things and whose latencies do not compare."""
+    found = {str(s.get("backend", "c")) for p in programs for s in p} or {"c"}
+    if len(found) > 1:
+        raise ValueError(f"programs of several backends {sorted(found)} cannot share a cost model; "
+                         "train one model per backend")
+    backend = found.pop()
+    if backend not in BACKEND_FEATURES:
+        raise ValueError(f"unknown backend {backend!r}; known: {sorted(BACKEND_FEATURES)}")
+    return backend
+
+
 def program_vector(statements: Sequence[Statement]) -> np.ndarray:
-    """Sum and max of log-scaled statement features, plus the statement count."""
+    """Sum and max of log-scaled statement features, plus the statement count (features of the
+    statements' backend)."""
+    names = BACKEND_FEATURES[backend_of([statements])]
     if not statements:
-        return np.zeros(2 * len(STATEMENT_FEATURES) + 1, dtype=np.float32)
-    m = np.array([[_scale(_value(s, k)) for k in STATEMENT_FEATURES] for s in statements], dtype=np.float32)
+        return np.zeros(2 * len(names) + 1, dtype=np.float32)
+    m = np.array([[_scale(_value(s, k)) for k in names] for s in statements], dtype=np.float32)
     return np.concatenate([m.sum(0), m.max(0), [len(statements)]]).astype(np.float32)
 
 
@@ -70,6 +95,8 @@ def prior_margin(programs: Sequence[Sequence[Statement]]) -> np.ndarray:
 
 
 def feature_matrix(programs: Sequence[Sequence[Statement]]) -> np.ndarray:
+    """One row per program; all of one backend (ValueError otherwise)."""
+    names = BACKEND_FEATURES[backend_of(programs)]
     if not programs:
-        return np.zeros((0, 2 * len(STATEMENT_FEATURES) + 1), dtype=np.float32)
+        return np.zeros((0, 2 * len(names) + 1), dtype=np.float32)
     return np.stack([program_vector(p) for p in programs])

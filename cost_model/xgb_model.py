@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .features import Statement, feature_matrix, prior_margin
+from .features import Statement, backend_of, feature_matrix, prior_margin
 
 
 class XGBoostCostModel:
@@ -32,6 +32,16 @@ class XGBoostCostModel:
         self._margin: list[float] = []
         self._lat: list[float] = []
         self._group: list[str] = []
+        self.backend: str | None = None  # the backend of the programs trained on ("c", "pallas")
+
+    def _check_backend(self, programs: Sequence[Sequence[Statement]]) -> None:
+        """One model per backend: its features and latencies are not comparable across them."""
+        if not programs:
+            return
+        backend = backend_of(programs)
+        if self.backend is not None and backend != self.backend:
+            raise ValueError(f"this cost model is trained on {self.backend} programs and was given "
+                             f"{backend} programs; use one model per backend")
 
     @property
     def n_samples(self) -> int:
@@ -51,6 +61,9 @@ class XGBoostCostModel:
         """Add measured programs (finite latencies only) and refit on everything seen so far."""
         if not (len(programs) == len(latencies_s) == len(groups)):
             raise ValueError("update: programs, latencies_s and groups must have the same length")
+        self._check_backend(programs)
+        if programs:
+            self.backend = backend_of(programs)
         x, margin = feature_matrix(programs), prior_margin(programs)
         for row, mg, lat, g in zip(x, margin, latencies_s, groups):
             if np.isfinite(lat) and lat > 0:
@@ -87,6 +100,7 @@ class XGBoostCostModel:
     def predict(self, programs: Sequence[Sequence[Statement]]) -> np.ndarray:
         """Scores (higher = predicted faster): the prior alone before the model has data (all
         zeros without a prior)."""
+        self._check_backend(programs)
         margin = self.prior_scores(programs)
         if self.booster is None or not programs:
             return margin
@@ -99,6 +113,7 @@ class XGBoostCostModel:
         import xgboost as xgb  # noqa: F401
 
         state = {"params": self.params, "n_rounds": self.n_rounds, "prior_weight": self.prior_weight,
+                 "backend": self.backend,
                  "margins": self._margin, "x": [r.tolist() for r in self._x],
                  "latencies_s": self._lat, "groups": self._group,
                  "booster": bytearray(self.booster.save_raw("json")).decode() if self.booster else None}
@@ -121,6 +136,7 @@ class XGBoostCostModel:
         m.params, m.n_rounds = state["params"], state["n_rounds"]
         m._x = [np.array(r, dtype=np.float32) for r in state["x"]]
         m._lat, m._group = list(state["latencies_s"]), list(state["groups"])
+        m.backend = state.get("backend", "c" if m._lat else None)  # files from before backends: C
         # files saved before the prior existed: no margins, and the trees were fitted without one
         m.prior_weight = float(state.get("prior_weight", 0.0))
         m._margin = [float(v) for v in state.get("margins", [0.0] * len(m._lat))]

@@ -1,5 +1,6 @@
 """Tensor-program search (Ansor-style): compute definitions, schedules, sketches, evolutionary
-search with a learned cost model, C/OpenMP code generation and measurement, tuning records."""
+search with a learned cost model, C/OpenMP or Pallas code generation and measurement, tuning
+records."""
 from .record import TuningRecord
 from .schedule import ScheduleError
 from .task import Task

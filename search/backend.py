@@ -1,5 +1,5 @@
 """Code-generation backends: how a program state becomes a loadable kernel on one target.
-The C/OpenMP backend is the CPU one; a Pallas backend for GPU plugs in behind the same interface."""
+The C/OpenMP backend is the CPU one; the Pallas backend (search.backend_pallas) is the other."""
 from __future__ import annotations
 
 import ctypes
@@ -62,12 +62,15 @@ class BuildResult:
 
 
 class Backend(Protocol):
+    """What every backend says: its name, the target it builds for (stored with each record)
+    and its key, and the source it generates for a program state. How it builds and runs a
+    kernel is its own (C: `build` + `load` a shared library; Pallas: `function`)."""
+
     name: str
 
     def target(self) -> dict[str, Any]: ...
+    def target_key(self) -> str: ...
     def source(self, state: State) -> str: ...
-    def build(self, sources: list[str], timeout_s: float) -> list[BuildResult]: ...
-    def load(self, path: str, n_args: int) -> Callable[..., None]: ...
 
 
 class CBackend:

@@ -14,12 +14,11 @@ from typing import Protocol, Sequence
 
 from cost_model import XGBoostCostModel
 
-from .features import statement_features
 from .measure import best_run_s
-from .mutation import checked_program, crossover, mutate, structure, tiling
+from .mutation import crossover, mutate, structure, tiling
 from .record import TuningRecord
 from .schedule import Step
-from .sketch import generate_sketches, sample_schedules
+from .space import C_SPACE, SearchSpace
 from .task import Task
 
 
@@ -41,16 +40,16 @@ class SearchPolicy(Protocol):
 class RandomSearch:
     """Baseline: random annotations of random sketches, never measuring one twice."""
 
-    def __init__(self, task: Task, seed: int = 0):
-        self.task = task
+    def __init__(self, task: Task, seed: int = 0, space: SearchSpace = C_SPACE):
+        self.task, self.space = task, space
         self.rng = random.Random(seed)
-        self.sketches = generate_sketches(task.dag)
+        self.sketches = space.sketches(task.dag)
         self.measured: set[str] = set()
 
     def next_batch(self, n: int) -> list[list[Step]]:
         out: list[list[Step]] = []
         for _ in range(4):
-            for s in sample_schedules(self.sketches, self.task.dag, n, self.rng):
+            for s in self.space.sample(self.sketches, self.task.dag, n, self.rng):
                 k = schedule_key(s)
                 if k not in self.measured and len(out) < n:
                     self.measured.add(k)
@@ -69,11 +68,11 @@ class EvolutionarySearch:
     def __init__(self, task: Task, cost_model: XGBoostCostModel | None = None, seed: int = 0,
                  population: int = 128, generations: int = 4, eps_greedy: float = 0.1,
                  mutation_prob: float = 0.85, elite: int = 16, screen_share: float = SCREEN_SHARE,
-                 screen_pool: int = SCREEN_POOL):
-        self.task = task
+                 screen_pool: int = SCREEN_POOL, space: SearchSpace = C_SPACE):
+        self.task, self.space = task, space
         self.model = cost_model if cost_model is not None else XGBoostCostModel(seed=seed)
         self.rng = random.Random(seed)
-        self.sketches = generate_sketches(task.dag)
+        self.sketches = space.sketches(task.dag)
         self.population, self.generations = population, generations
         self.eps_greedy, self.mutation_prob, self.elite = eps_greedy, mutation_prob, elite
         self.screen_share, self.screen_pool = screen_share, screen_pool
@@ -92,11 +91,19 @@ class EvolutionarySearch:
     def features(self, steps: list[Step]) -> list[dict[str, float]]:
         k = schedule_key(steps)
         if k not in self._features:
-            prog = checked_program(self.task.dag, steps)
-            if prog is None:
-                raise ValueError("invalid schedule")
-            self._features[k] = statement_features(prog)
+            feats = self.space.features(self.task.dag, steps)
+            if feats is None:
+                raise ValueError(f"invalid schedule for the {self.space.backend} backend")
+            self._features[k] = feats
         return self._features[k]
+
+    def valid(self, steps: list[Step]) -> bool:
+        """Whether a schedule is valid in this policy's space (mutations only check that it lowers)."""
+        try:
+            self.features(steps)
+        except ValueError:
+            return False
+        return True
 
     def learn_from(self, records: Sequence[TuningRecord], per_task: int = TRANSFER_PER_TASK) -> int:
         """Train the cost model on measured records of *other* tasks, one ranking group per
@@ -120,9 +127,9 @@ class EvolutionarySearch:
             except Exception:
                 continue  # a task this library version cannot build
             for r in recs:
-                prog = checked_program(dag, r.schedule)
-                if prog is not None:
-                    feats.append(statement_features(prog))
+                f = self.space.features(dag, r.schedule)
+                if f is not None:
+                    feats.append(f)
                     lats.append(best_run_s(r))
                     groups.append(key)
         if feats:
@@ -186,7 +193,7 @@ class EvolutionarySearch:
         """Candidates seen during evolution with their scores, best first, unmeasured only."""
         dag = self.task.dag
         pop = self.elites()
-        pop += sample_schedules(self.sketches, dag, self.population - len(pop), self.rng)
+        pop += self.space.sample(self.sketches, dag, self.population - len(pop), self.rng)
         seen: dict[str, tuple[float, list[Step]]] = {}
         for _ in range(self.generations + 1):
             sc = self.scores(pop)
@@ -202,7 +209,7 @@ class EvolutionarySearch:
                     child = mutate(dag, self._select(pop, sc), self.rng)
                 else:
                     child = crossover(dag, self._select(pop, sc), self._select(pop, sc), self.rng)
-                if child is not None:
+                if child is not None and self.valid(child):
                     nxt.append(child)
             pop = nxt or pop
         return sorted(seen.values(), key=lambda x: -x[0])
@@ -225,7 +232,7 @@ class EvolutionarySearch:
 
     def screened(self, pool: int) -> list[tuple[float, list[Step]]]:
         """`pool` new random schedules (unmeasured) with their model scores, best first."""
-        cands = [s for s in sample_schedules(self.sketches, self.task.dag, pool, self.rng)
+        cands = [s for s in self.space.sample(self.sketches, self.task.dag, pool, self.rng)
                  if schedule_key(s) not in self.measured]
         return sorted(zip(self.scores(cands), cands), key=lambda x: -x[0]) if cands else []
 
@@ -274,7 +281,7 @@ class EvolutionarySearch:
             for _, s in cands:
                 take(s, cap)
         for _ in range(4):
-            for s in sample_schedules(self.sketches, self.task.dag, n - len(out), self.rng):
+            for s in self.space.sample(self.sketches, self.task.dag, n - len(out), self.rng):
                 k = schedule_key(s)
                 if k not in keys and k not in self.measured and len(out) < n:
                     keys.add(k)

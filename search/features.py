@@ -76,10 +76,11 @@ def statement_features(prog: Program) -> list[dict[str, float]]:
     """One feature dict per store statement, in program order (a statement the C printer keeps in a
     register tile says how many elements the tile has). Each also carries the program's size
     (`out_elems`, `io_bytes`), which the cost model divides work and traffic by, and its analytic
-    time estimate `est_s` (search.prior), which the cost model starts its ranking from."""
+    time estimate `est_s` (search.prior), which the cost model starts its ranking from, and
+    `backend: "c"` (cost_model.features.backend_of keeps models to one backend)."""
     out: list[dict[str, float]] = []
     size = {"out_elems": float(sum(b.size for b in prog.args if b.scope == "output")),
-            "io_bytes": float(4 * sum(b.size for b in prog.args))}
+            "io_bytes": float(4 * sum(b.size for b in prog.args)), "backend": "c"}
 
     def walk(nodes, loops: list[For], local_bytes: int, register_elems: int) -> None:
         for n in nodes:

@@ -11,8 +11,12 @@ class TuningRecord:
     """One measurement of one schedule of one task on one target.
 
     `latencies_s` is empty and `error` is set when the candidate failed to build, crashed,
-    timed out or computed a wrong result. `target` describes the machine (CPU model, ISA
-    flags, compiler version); `target_key` is its stable short key.
+    timed out or computed a wrong result. `latencies_s` is empty with no `error` and
+    `extra["measured"] is False` when the kernel ran and matched the reference but was not
+    timed (a Pallas kernel in interpret mode, on a machine without a GPU): `unmeasured`. Such a
+    record is not `ok`, so nothing ranks it by latency (the database stores no latency for it).
+    `target` describes the machine (CPU model, ISA flags, compiler version; or GPU and
+    backend); `target_key` is its stable short key.
     """
 
     workload_key: str
@@ -30,6 +34,11 @@ class TuningRecord:
     @property
     def ok(self) -> bool:
         return self.error is None and len(self.latencies_s) > 0
+
+    @property
+    def unmeasured(self) -> bool:
+        """Checked against the reference but not timed: a correct kernel without a latency."""
+        return self.error is None and not self.latencies_s and self.extra.get("measured") is False
 
     @property
     def latency_s(self) -> float:

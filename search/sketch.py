@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from .compute import ComputeDAG, Stage
 from .expr import Var, variables
@@ -382,13 +383,16 @@ def _annotation_steps(st: StageState, state: State, rng: random.Random) -> list[
     return steps
 
 
-def sample_schedules(sketches: list[Sketch], dag: ComputeDAG, n: int, rng: random.Random) -> list[list[Step]]:
-    """Up to n random valid schedules drawn from random sketches."""
+def sample_schedules(sketches: list[Sketch], dag: ComputeDAG, n: int, rng: random.Random,
+                     annotate_fn: Callable[[Sketch, ComputeDAG, random.Random], list[Step] | None] | None = None
+                     ) -> list[list[Step]]:
+    """Up to n random valid schedules drawn from random sketches (annotated by `annotate_fn`,
+    default the CPU rules' `annotate`)."""
     out = []
     for _ in range(n * 3):
         if len(out) >= n:
             break
-        steps = annotate(rng.choice(sketches), dag, rng)
+        steps = (annotate_fn or annotate)(rng.choice(sketches), dag, rng)
         if steps is not None:
             out.append(steps)
     return out

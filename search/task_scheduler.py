@@ -10,11 +10,11 @@ from typing import Any, Callable, Sequence
 
 from cost_model import XGBoostCostModel
 
-from .measure import MeasureOptions, ProgramMeasurer, best_run_s, check_fits_in_memory
+from .measure import MeasureOptions, best_run_s, check_fits_in_memory
 from .record import TuningRecord
 from .schedule import Step
 from .task import Task
-from .tune import TuneResult, _check_target, make_policy, measure_into, open_db
+from .tune import TuneResult, _check_target, chosen_record, make_measurer, make_policy, measure_into, open_db
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,9 @@ def tune_tasks(tasks: Sequence[Task], trials: int, weights: Sequence[float] | No
     for t in tasks:
         check_fits_in_memory(t)
     database, owned = open_db(db)
-    measurers = [ProgramMeasurer(t, opts=measure_options) for t in tasks]
+    measurers = [make_measurer(t, target, measure_options) for t in tasks]
     shared = {"cost_model": XGBoostCostModel(seed=seed)} if policy == "evolutionary" else {}
-    policies = [make_policy(policy, t, seed, **shared) for t in tasks]
+    policies = [make_policy(policy, t, seed, target, **shared) for t in tasks]
     if transfer and shared:
         keys = {t.workload_key for t in tasks}
         others = [r for r in database.records(target_key=measurers[0].target_key) if r.workload_key not in keys]
@@ -84,7 +84,11 @@ def tune_tasks(tasks: Sequence[Task], trials: int, weights: Sequence[float] | No
     used = 0
 
     def results() -> dict[str, TuneResult]:
-        return {t.workload_key: TuneResult(t, best[i][1], best[i][0], list(records[i]),
+        def schedule(i: int) -> list[Step] | None:  # an unmeasured one when nothing was timed
+            chosen = chosen_record(records[i])
+            return best[i][1] if best[i][1] is not None else chosen.schedule if chosen else None
+
+        return {t.workload_key: TuneResult(t, schedule(i), best[i][0], list(records[i]),
                                            time.perf_counter() - t0, list(hist[i])) for i, t in enumerate(tasks)}
 
     try:
@@ -95,7 +99,8 @@ def tune_tasks(tasks: Sequence[Task], trials: int, weights: Sequence[float] | No
                 i = rng.randrange(len(tasks))
             else:
                 grads = [task_gradient(k, progress) for k in range(len(tasks))]
-                i = min(range(len(tasks)), key=lambda k: grads[k])
+                # ties (untuned tasks, or nothing timed: Pallas in interpret mode) go to the fewest trials
+                i = min(range(len(tasks)), key=lambda k: (grads[k], len(records[k])))
             batch = policies[i].next_batch(min(batch_size, trials - used))
             if not batch:
                 break

@@ -18,16 +18,18 @@ from .measure import MeasureOptions, ProgramMeasurer, best_run_s, check_fits_in_
 from .mutation import checked_program
 from .record import TuningRecord
 from .schedule import Step, replay
+from .space import SPACES
 from .task import Task
 
-TARGETS = ("cpu",)
+TARGETS = ("cpu", "pallas")
 POLICIES = ("evolutionary", "random")
 
 
 @dataclass(frozen=True)
 class TuneResult:
     """Outcome of one tuning run: the best schedule found (None if every trial failed) and its
-    latency, the fastest timed run of its record (see `measure.best_run_s`)."""
+    latency, the fastest timed run of its record (see `measure.best_run_s`). When nothing was
+    timed (Pallas in interpret mode) it is the first schedule checked correct, at +inf."""
 
     task: Task
     best_schedule: list[Step] | None
@@ -78,8 +80,32 @@ def measure_into(database: Any, measurer: ProgramMeasurer, batch: list[list[Step
 
 def _check_target(target: str) -> None:
     if target not in TARGETS:
-        raise ValueError(f"target {target!r} is not supported yet; use one of {TARGETS} "
-                         f"(a Pallas GPU backend is planned)")
+        raise ValueError(f"target {target!r} is not supported; use 'cpu' (C/OpenMP kernels compiled and "
+                         f"timed on this machine) or 'pallas' (Pallas kernels: timed on this process's GPU, "
+                         f"only checked for correctness in interpret mode without one)")
+
+
+def make_measurer(task: Task, target: str, opts: MeasureOptions | None = None) -> Any:
+    """The builder and runner of `target`: ProgramMeasurer (C) or PallasMeasurer."""
+    if target == "pallas":
+        from .measure_pallas import PallasMeasurer
+        return PallasMeasurer(task, opts=opts)
+    return ProgramMeasurer(task, opts=opts)
+
+
+def target_key_of(target: str) -> str:
+    """This machine's key for `target` (what its records are stored under)."""
+    if target == "pallas":
+        from .backend_pallas import PallasBackend
+        return PallasBackend().target_key()
+    return CBackend().target_key()
+
+
+def chosen_record(records: list[TuningRecord]) -> TuningRecord | None:
+    """The record with the fastest timed run; when none was timed, the first one checked correct
+    but not timed (an unmeasured record never competes on latency)."""
+    fastest = min((r for r in records if r.ok), key=best_run_s, default=None)
+    return fastest or next((r for r in records if r.unmeasured), None)
 
 
 def open_db(db: Any):
@@ -102,11 +128,11 @@ def replayable(task: Task, records: list[TuningRecord]) -> list[TuningRecord]:
     return usable
 
 
-def make_policy(name: str, task: Task, seed: int = 0, **kw) -> SearchPolicy:
+def make_policy(name: str, task: Task, seed: int = 0, target: str = "cpu", **kw) -> SearchPolicy:
     if name == "evolutionary":
-        return EvolutionarySearch(task, seed=seed, **kw)
+        return EvolutionarySearch(task, seed=seed, space=SPACES[target], **kw)
     if name == "random":
-        return RandomSearch(task, seed=seed)
+        return RandomSearch(task, seed=seed, space=SPACES[target])
     raise ValueError(f"unknown search policy {name!r}; use one of {POLICIES}")
 
 
@@ -118,7 +144,9 @@ def tune(task: Task, target: str = "cpu", trials: int = 64, db: Any = None, poli
     soon as it is measured. Ctrl-C raises TuneInterrupted (a KeyboardInterrupt) whose result
     holds every record measured, all of them stored. With `warm_start`, records of this task
     already in the DB seed the cost model and the population; with `transfer`, the DB's
-    records of other tasks on this target pre-train the cost model."""
+    records of other tasks on this target pre-train the cost model. `target="pallas"` searches
+    Pallas kernels with the GPU sketch rules; without a GPU each is run in interpret mode and
+    checked, not timed (its record is `unmeasured`)."""
     _check_target(target)
     if not isinstance(task, Task):
         raise TypeError(f"tune: expected a search.Task, got {type(task).__name__}; build one with "
@@ -126,17 +154,17 @@ def tune(task: Task, target: str = "cpu", trials: int = 64, db: Any = None, poli
     if trials < 1 or batch_size < 1:
         raise ValueError(f"tune: trials ({trials}) and batch_size ({batch_size}) must be positive")
     check_fits_in_memory(task)
-    pol = make_policy(policy, task, seed)
-    measurer = ProgramMeasurer(task, opts=measure_options)  # starts nothing yet
+    pol = make_policy(policy, task, seed, target)
+    measurer = make_measurer(task, target, measure_options)  # starts nothing yet
     database, owned = open_db(db)
     t0 = time.perf_counter()
     records: list[TuningRecord] = []
     history: list[tuple[int, float, float]] = []
 
     def result() -> TuneResult:
-        fastest = min(records, key=best_run_s, default=None)
-        return TuneResult(task, fastest.schedule if fastest and fastest.ok else None,
-                          best_run_s(fastest) if fastest else float("inf"), list(records),
+        chosen = chosen_record(records)
+        return TuneResult(task, chosen.schedule if chosen else None,
+                          best_run_s(chosen) if chosen else float("inf"), list(records),
                           time.perf_counter() - t0, list(history))
 
     try:
@@ -163,11 +191,18 @@ def tune(task: Task, target: str = "cpu", trials: int = 64, db: Any = None, poli
     return result()
 
 
-class Kernel:
-    """A compiled schedule: `kernel(*inputs) -> output`, inputs in `task.input_shapes` order."""
+def run_pallas(fn: Callable[..., Any], arrays: list[np.ndarray]) -> None:
+    """Call a Pallas program on the inputs and copy its result into the last array (the output)."""
+    arrays[-1][...] = np.asarray(fn(*arrays[:-1]))
 
-    def __init__(self, task: Task, schedule: list[Step], source: str, fn: Callable[..., None]):
-        self.task, self.schedule, self.source, self._fn = task, schedule, source, fn
+
+class Kernel:
+    """A compiled schedule: `kernel(*inputs) -> output`, inputs in `task.input_shapes` order.
+    `launch(fn, inputs + [out])` runs `fn` (a C function: its pointers; a Pallas program: jax)."""
+
+    def __init__(self, task: Task, schedule: list[Step], source: str, fn: Callable[..., Any],
+                 launch: Callable[[Callable[..., Any], list[np.ndarray]], None] = call_kernel):
+        self.task, self.schedule, self.source, self._fn, self._launch = task, schedule, source, fn, launch
 
     def __call__(self, *inputs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         specs = self.task.input_shapes
@@ -185,15 +220,21 @@ class Kernel:
                 or not out.flags.c_contiguous:
             raise ValueError(f"{self.task}: out must be a C-contiguous {self.task.dtype} array of shape "
                              f"{self.task.output_shape}")
-        call_kernel(self._fn, arrays + [out])
+        self._launch(self._fn, arrays + [out])
         return out
 
 
 def build(task: Task, schedule: list[Step] | None, target: str = "cpu") -> Kernel:
-    """Compile `schedule` (e.g. `tune(...).best_schedule` or a DB record's) for `target`."""
+    """Compile `schedule` (e.g. `tune(...).best_schedule` or a DB record's) for `target`; for
+    "pallas" the kernel runs with Triton on a GPU, in interpret mode without one."""
     _check_target(target)
     if schedule is None:
         raise ValueError(f"build: no schedule for {task} (did every trial fail? see the records' errors)")
+    if target == "pallas":
+        from .backend_pallas import PallasBackend
+        pallas = PallasBackend()
+        state = replay(task.dag, schedule)
+        return Kernel(task, schedule, pallas.source(state), pallas.function(state), run_pallas)
     backend = CBackend()
     source = backend.source(replay(task.dag, schedule))
     try:
@@ -207,12 +248,13 @@ def build(task: Task, schedule: list[Step] | None, target: str = "cpu") -> Kerne
 
 
 def best_schedule(task: Task, db: Any = None, target: str = "cpu") -> list[Step] | None:
-    """The measured schedule of `task` with the fastest run on this machine in the tuning DB, if any."""
+    """The measured schedule of `task` with the fastest run on this machine in the tuning DB; when
+    none of its records for `target` was timed (Pallas without a GPU), the first checked one."""
     _check_target(target)
     database, owned = open_db(db)
     try:
-        recs = [r for r in replayable(task, database.records(task.workload_key, CBackend().target_key())) if r.ok]
+        chosen = chosen_record(replayable(task, database.records(task.workload_key, target_key_of(target))))
     finally:
         if owned:
             database.close()
-    return min(recs, key=best_run_s).schedule if recs else None
+    return chosen.schedule if chosen else None
