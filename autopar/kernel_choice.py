@@ -104,35 +104,57 @@ class _Notes:
             warnings.warn(f"autopar kernels: {message}; those ops run with XLA's code", stacklevel=4)
 
 
+@dataclass(frozen=True)
+class SiteGroup:
+    """The sites of one program piece: a single-stage program, or one layer of a pipeline
+    stage (`layer`, its index in the loss), whose ops they index."""
+
+    graph: Any
+    sites: tuple[MatmulSite, ...]
+    layer: int | None = None
+
+
 def choose_kernels(graph: Any, sites: Sequence[MatmulSite], mode: str, trials: int, db: Any = None,
                    measure: Callable | None = None) -> ChosenKernels:
     """Kernels for `sites` of `graph`: `mode` "tuned" tunes every distinct local matmul with
     `trials` trials each (the task scheduler spends them where the expected gain is
     largest), "cached" uses only what the tuning DB holds."""
+    return choose_group_kernels([SiteGroup(graph=graph, sites=tuple(sites))], mode, trials, db, measure)[0]
+
+
+def choose_group_kernels(groups: Sequence[SiteGroup], mode: str, trials: int, db: Any = None,
+                         measure: Callable | None = None) -> list[ChosenKernels]:
+    """`choose_kernels` for several program pieces at once: their tasks are tuned together
+    and each kernel is built once, whichever pieces it serves."""
     from search import tune_tasks
     from search.backend import CBackend, CompilerNotFoundError
     from search.tune import best_schedule, build, open_db
 
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels={mode!r}: use one of {KERNEL_MODES}")
+    sites = [s for g in groups for s in g.sites]
     if mode == "xla" or not sites:
-        return ChosenKernels(uses=(), kernels={})
+        return [ChosenKernels(uses=(), kernels={}) for _ in groups]
     measure = measure or head_to_head
     notes = _Notes()
+
+    def all_on_xla(reason: str) -> list[ChosenKernels]:
+        return [ChosenKernels(uses=tuple(KernelUse(op=s.op, workload_key=site_task(s).workload_key, used=False,
+                                                   reason=reason, layer=g.layer) for s in g.sites), kernels={})
+                for g in groups]
+
     try:
         from autopar.ffi_kernels import FfiShim
 
         shim = FfiShim.get()
     except Exception as e:           # no C++ compiler, failed build: the whole step on XLA
         notes.say(f"the FFI shim is unavailable ({e})")
-        return ChosenKernels(uses=tuple(KernelUse(op=s.op, workload_key=site_task(s).workload_key, used=False,
-                                                  reason="FFI shim unavailable") for s in sites), kernels={})
+        return all_on_xla("FFI shim unavailable")
     try:
         target = CBackend().target_key()
     except CompilerNotFoundError as e:     # kernels are built with the C compiler: none, none to use
         notes.say(str(e).rstrip("."))
-        return ChosenKernels(uses=tuple(KernelUse(op=s.op, workload_key=site_task(s).workload_key, used=False,
-                                                  reason="no C compiler") for s in sites), kernels={})
+        return all_on_xla("no C compiler")
     database, owned = open_db(db)
     try:
         tasks = {}
@@ -166,32 +188,40 @@ def choose_kernels(graph: Any, sites: Sequence[MatmulSite], mode: str, trials: i
                    "the tuning DB holds no kernel (`autopar tune --plan` or kernels=\"tuned\" makes them)")
             notes.say(f"{why} for {len(missing)} of {len(tasks)} local ops' tasks ({', '.join(missing[:3])}"
                       f"{', ...' if len(missing) > 3 else ''})")
-        uses, kernels = [], {}
-        for s in sites:
-            key = site_task(s).workload_key
-            kernel = built.get(key)
-            if kernel is None:
-                uses.append(KernelUse(op=s.op, workload_key=key, used=False, reason="no tuned schedule"))
-                continue
-            pkey = _profile_key(s, key, target)
-            prof = database.get_profile(PROFILE_KIND, pkey)
-            if prof is None or prof.get("schedule") != repr(kernel.schedule):
-                t_k, t_x, err = measure(s, kernel, graph.ops[s.op].params["dimension_numbers"])
-                prof = {"tuned_s": t_k, "xla_s": t_x, "rel_error": err, "schedule": repr(kernel.schedule),
-                        "workload_key": key, "target_key": target}
-                database.put_profile(PROFILE_KIND, pkey, prof)
-            if prof["rel_error"] > 1e-4:
-                notes.say(f"the kernel of {key} does not match XLA's result (relative error {prof['rel_error']:.2g})")
-                uses.append(KernelUse(op=s.op, workload_key=key, tuned_s=prof["tuned_s"], xla_s=prof["xla_s"],
-                                      used=False, reason="wrong result"))
-                continue
-            faster = prof["tuned_s"] < prof["xla_s"]
-            uses.append(KernelUse(op=s.op, workload_key=key, tuned_s=prof["tuned_s"], xla_s=prof["xla_s"],
-                                  used=faster, reason="faster than XLA" if faster else "slower than XLA"))
-            if faster:
-                kernels[s.op] = kernel
-        return ChosenKernels(uses=tuple(uses), kernels=kernels, sites={s.op: s for s in sites if s.op in kernels},
-                             shim=shim)
+        return [_decide(g, built, database, target, measure, notes, shim) for g in groups]
     finally:
         if owned:
             database.close()
+
+
+def _decide(group: SiteGroup, built: dict[str, Any], database: Any, target: str, measure: Callable, notes: _Notes,
+            shim: Any) -> ChosenKernels:
+    """Which of `group`'s sites a built kernel serves: those where it beat XLA head to head
+    (measured once per local op and machine, then read from the DB) with XLA's result."""
+    uses, kernels = [], {}
+    for s in group.sites:
+        key = site_task(s).workload_key
+        kernel = built.get(key)
+        if kernel is None:
+            uses.append(KernelUse(op=s.op, workload_key=key, used=False, reason="no tuned schedule", layer=group.layer))
+            continue
+        pkey = _profile_key(s, key, target)
+        prof = database.get_profile(PROFILE_KIND, pkey)
+        if prof is None or prof.get("schedule") != repr(kernel.schedule):
+            t_k, t_x, err = measure(s, kernel, group.graph.ops[s.op].params["dimension_numbers"])
+            prof = {"tuned_s": t_k, "xla_s": t_x, "rel_error": err, "schedule": repr(kernel.schedule),
+                    "workload_key": key, "target_key": target}
+            database.put_profile(PROFILE_KIND, pkey, prof)
+        if prof["rel_error"] > 1e-4:
+            notes.say(f"the kernel of {key} does not match XLA's result (relative error {prof['rel_error']:.2g})")
+            uses.append(KernelUse(op=s.op, workload_key=key, tuned_s=prof["tuned_s"], xla_s=prof["xla_s"],
+                                  used=False, reason="wrong result", layer=group.layer))
+            continue
+        faster = prof["tuned_s"] < prof["xla_s"]
+        uses.append(KernelUse(op=s.op, workload_key=key, tuned_s=prof["tuned_s"], xla_s=prof["xla_s"],
+                              used=faster, reason="faster than XLA" if faster else "slower than XLA",
+                              layer=group.layer))
+        if faster:
+            kernels[s.op] = kernel
+    return ChosenKernels(uses=tuple(uses), kernels=kernels,
+                         sites={s.op: s for s in group.sites if s.op in kernels}, shim=shim)

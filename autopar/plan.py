@@ -97,12 +97,13 @@ class KernelUse:
     """What serves one op of a stage: a tuned kernel (`used`) or XLA's own code, and the
     head-to-head times of its local op on one device of the planning machine."""
 
-    op: int                                     # op index in the stage's program
+    op: int                                     # op index in the stage's program (pipelines: in its layer's)
     workload_key: str                           # the search task (tuning DB key)
     used: bool
     reason: str
     tuned_s: float | None = None
     xla_s: float | None = None
+    layer: int | None = None                    # pipelines: the layer (index in the loss) the op belongs to
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ def render_plan(plan, max_rows: int = 40, width: int = 160) -> str:
             for c in ("op", "task", "serves", "tuned", "XLA", "why"):
                 kt.add_column(c)
             for k in s.kernels[:max_rows]:
-                kt.add_row(str(k.op), k.workload_key, "tuned kernel" if k.used else "XLA",
+                kt.add_row(f"layer {k.layer} op {k.op}" if k.layer is not None else str(k.op), k.workload_key, "tuned kernel" if k.used else "XLA",
                            _fmt_s(k.tuned_s) if k.tuned_s is not None else "-",
                            _fmt_s(k.xla_s) if k.xla_s is not None else "-", k.reason)
             con.print(kt)

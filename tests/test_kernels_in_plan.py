@@ -320,3 +320,52 @@ def test_no_or_broken_c_compiler_runs_on_xla_and_says_so_once(compiler, tmp_path
     assert ("no C compiler" in said[0]) if compiler == "missing" else ("no valid kernel" in said[0])
     assert pstep.plan.stages[0].kernels and not any(k.used for k in pstep.plan.stages[0].kernels)
     _leaves_close(out, jax.jit(step)(state, batch))
+
+
+def test_pipeline_stages_run_kernels_and_equal_jit(tmp_path, monkeypatch):
+    """A 2-stage pipeline (per-stage runtime, ILP-sharded stages) with kernels from the DB:
+    each stage's layer graphs call the kernels for their local matmuls, forward and
+    backward; two steps equal jax.jit; the plan lists the kernels per stage and layer, and
+    a saved plan reuses them."""
+    import optax
+    from pipeline_gpt import init_state, make_batch, make_step
+    from search import TuningRecord
+    from search.backend import CBackend
+
+    opt = optax.sgd(0.1, momentum=0.9)
+    state, batch = init_state(opt), make_batch(jax.random.PRNGKey(1), 8)
+    step = make_step(opt, markers=True)
+    method = dict(num_micro_batches=2, num_stages=2, lowering="per-stage")
+    xla = autopar.parallelize(step, method=autopar.PipeshardParallel(**method))
+    xla(state, batch)
+    tasks = {kt.workload_key: kt for s in xla.plan.stages for kt in s.kernel_tasks}
+    assert all(s.kernel_tasks for s in xla.plan.stages) and not any(s.kernels for s in xla.plan.stages)
+    db, backend = str(tmp_path / "tuning.db"), CBackend()
+    from autopar.kernel_sites import search_task
+
+    with autopar.TuningDB(db) as database:
+        database.add_many(TuningRecord(workload_key=k, task=search_task(kt).to_dict(),
+                                       target_key=backend.target_key(), target=backend.target(), schedule=[],
+                                       latencies_s=(1.0,)) for k, kt in tasks.items())
+    monkeypatch.setattr(kernel_choice, "head_to_head", _kernels_win)
+    pstep = autopar.parallelize(step, method=autopar.PipeshardParallel(**method), kernels="cached", tuning_db=db)
+    s1, l1 = pstep(state, batch)
+    s2, l2 = pstep(s1, batch)
+    r1, rl1 = jax.jit(step)(state, batch)
+    r2, rl2 = jax.jit(step)(r1, batch)
+    np.testing.assert_allclose([float(l1), float(l2)], [float(rl1), float(rl2)], rtol=1e-4)
+    _leaves_close(s2, r2)
+    for stage, programs in zip(pstep.plan.stages, pstep._executable((state, batch), {}).programs):
+        used = [k for k in stage.kernels if k.used]
+        assert used and all(k.layer is not None for k in used)
+        text = programs.forward_compiled.as_text() + programs.backward_compiled.as_text()
+        assert text.count('custom_call_target="autopar_kernel"') >= len(used)
+    assert "tuned kernels" in pstep.plan.summary()
+    again = autopar.parallelize(step, method=autopar.PipeshardParallel(**method), kernels="cached", tuning_db=db,
+                                plan=autopar.Plan.from_json(pstep.plan.to_json()))
+    _leaves_close(again(state, batch), (r1, rl1))
+    assert [s.kernels for s in again.plan.stages] == [s.kernels for s in pstep.plan.stages]
+
+    with pytest.raises(ValueError, match="token slicing runs XLA's code"):
+        autopar.parallelize(step, method=autopar.PipeshardParallel(token_slices=2, **method),
+                            kernels="cached")(state, batch)

@@ -158,7 +158,7 @@ def run_plan(args: argparse.Namespace) -> int:
         tasks, counts = plan_tasks(plan)
         if not tasks:
             raise ValueError(f"{args.plan} lists no kernel tasks: its stages have no float32 matmuls a kernel "
-                             "could serve (pipeline stages are not covered yet)")
+                             "could serve (an SPMD or token-sliced pipeline plan lists none: they run XLA's code)")
         db = TuningDB(args.db)
     except (PlanFileError, ValueError, TuningDBError) as e:
         return _error(str(e), 2)

@@ -129,11 +129,13 @@ class PipeshardParallel:
         from autopar.pipeline.record import to_plan
 
         t0 = time.perf_counter()
-        if request.kernels != "xla":
-            raise ValueError(f"kernels={request.kernels!r} is not supported by pipelines yet (their stages run "
-                             f"XLA's code); use it with a single-program method (method='auto') or kernels='xla'")
+        if request.kernels != "xla" and (self.lowering == "spmd" or self.token_slices != 1):
+            raise ValueError(f"kernels={request.kernels!r} works with the per-stage pipeline runtime; "
+                             f"{'the SPMD lowering' if self.lowering == 'spmd' else 'token slicing'} runs XLA's code "
+                             f"only: use lowering='per-stage' and token_slices=1, or kernels='xla'")
         planner = self._planner(request)
-        spmd = self._plan_spmd(request, planner)
+        # tuned kernels serve the per-stage runtime's layer graphs: the SPMD lowering is not considered
+        spmd = self._plan_spmd(request, planner) if request.kernels == "xla" else None
         if self.lowering == "spmd":
             return spmd_planned(spmd, planner, request, self.name, t0)
         try:
@@ -155,8 +157,11 @@ class PipeshardParallel:
         plan = to_plan(decision, method_name=self.name, schedule=self.schedule, signature=request.signature,
                        cluster=planner.cluster, memory_budget_bytes=request.memory_budget_bytes, device_ids=ids,
                        planning_s=time.perf_counter() - t0, token=token)
-        return PipelinePlanned(plan, decision.traced, tuple(
+        from autopar.pipeline.stage_kernels import with_stage_kernels
+
+        planned = PipelinePlanned(plan, decision.traced, tuple(
             (d.layers, d.costs, d.device_ids, d.logical_mesh) for d in decision.stages), planner)
+        return with_stage_kernels(planned, request) if token is None else planned
 
     def _plan_spmd(self, request: Any, planner: Any) -> Any:
         """The best SPMD pipeline (a SpmdPipelinePlan), or None where it does not apply
@@ -187,9 +192,12 @@ class PipeshardParallel:
         devices = request.devices or ()
         traced, stages = restore(plan, planner, {d.id: d for d in devices})
         _check_loss_is_batch_mean(planner, traced)
+        from autopar.pipeline.stage_kernels import with_stage_kernels
+
         index = {d.id: k for k, d in enumerate(devices)}
-        return PipelinePlanned(plan, traced, tuple((s.layers, s.layouts, tuple(index[d.id] for d in s.devices),
-                                                    s.mesh_shape) for s in stages), planner)
+        planned = PipelinePlanned(plan, traced, tuple((s.layers, s.layouts, tuple(index[d.id] for d in s.devices),
+                                                       s.mesh_shape) for s in stages), planner)
+        return with_stage_kernels(planned, request) if plan.pipeline.token_slices is None else planned
 
     def build(self, planned: Any, request: Any) -> Any:
         from autopar.lower import build_mesh
@@ -202,8 +210,9 @@ class PipeshardParallel:
             return SpmdPipelineExecutable(planned.plan, planned.tracer, request.devices, request.donate_argnums)
         devices = list(request.devices)
         programs = [StagePrograms(layers, tuple(layouts), build_mesh([devices[i] for i in ids], shape),
-                                  planned.traced.num_micro_batches)
-                    for layers, layouts, ids, shape in planned.stages]
+                                  planned.traced.num_micro_batches,
+                                  kernels=planned.kernels[k] if planned.kernels else ())
+                    for k, (layers, layouts, ids, shape) in enumerate(planned.stages)]
         return PipeshardExecutable(planned.plan, planned.traced, programs, devices, tracer=planned.planner.tracer)
 
 
@@ -224,6 +233,7 @@ class PipelinePlanned:
     traced: Any
     stages: tuple
     planner: Any
+    kernels: tuple = ()         # per stage, per layer: kernel_choice.ChosenKernels (kernels != "xla")
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,7 @@ class StagePrograms:
     backward_compiled: Any = None
     _forward: Any = field(default=None, repr=False)
     _backward: Any = field(default=None, repr=False)
+    kernels: tuple = ()                 # per layer: the ChosenKernels serving its ops (empty: XLA's code)
 
     # --- layouts ------------------------------------------------------------------
     def _named(self, spec: DimSharding | None, ndim: int) -> NamedSharding:
@@ -238,6 +239,12 @@ class StagePrograms:
             return jax.lax.with_sharding_constraint(value, self._named(spec, value.ndim))
         return hook
 
+    def _overrides(self, k: int) -> dict | None:
+        """Op index -> tuned kernel call, for the ops of layer `k` kernels serve."""
+        from autopar.pipeline.stage_kernels import layer_overrides
+
+        return layer_overrides(self.kernels[k], self.mesh) if self.kernels else None
+
     def _constrain(self, specs: dict[int, DimSharding], v: int, value: Any) -> Any:
         spec = specs.get(v)
         if spec is None or not getattr(value, "ndim", 0):
@@ -253,7 +260,7 @@ class StagePrograms:
             p = dict(zip(st.param_inputs, params))
             b = dict(zip(st.batch_inputs, batch))
             residuals = []
-            for lg, c in zip(st.layers, self.layouts):
+            for k, (lg, c) in enumerate(zip(st.layers, self.layouts)):
                 specs = c.var_specs
                 env: dict[int, Any] = {}
                 for i, v in zip(lg.spec.param_inputs, lg.param_vars):
@@ -262,7 +269,7 @@ class StagePrograms:
                     env[v] = self._constrain(specs, v, b[i])
                 for w, v in zip(lg.spec.in_acts, lg.act_vars):
                     env[v] = self._constrain(specs, v, loss_env[w])
-                eval_ops(lg.graph, env, range(lg.num_forward_ops), self._hook(specs))
+                eval_ops(lg.graph, env, range(lg.num_forward_ops), self._hook(specs), self._overrides(k))
                 for k, (w, v) in enumerate(zip(lg.spec.out_acts, lg.out_vars)):
                     val = _read(lg.graph, env, v)
                     loss_env[w] = self._constrain({v: c.out_specs[k]}, v, val)
@@ -283,7 +290,7 @@ class StagePrograms:
             acc = dict(zip(st.param_inputs, grad_acc))
             res = iter(residuals)
             per_layer = [[next(res) for _ in lg.residuals] for lg in st.layers]
-            for lg, c, rs in reversed(list(zip(st.layers, self.layouts, per_layer))):
+            for k, lg, c, rs in reversed(list(zip(range(len(st.layers)), st.layers, self.layouts, per_layer))):
                 specs = c.var_specs
                 env: dict[int, Any] = dict(zip(lg.residuals, rs))
                 for i, v in zip(lg.spec.param_inputs, lg.param_vars):
@@ -296,7 +303,8 @@ class StagePrograms:
                 # otherwise XLA may start every layer's recomputation at once and keep it all
                 held = [v for v in (*lg.residuals, *(c for c in lg.ct_vars if c is not None)) if v in env]
                 env.update(zip(held, jax.lax.optimization_barrier(tuple(env[v] for v in held))))
-                eval_ops(lg.graph, env, range(lg.num_forward_ops, len(lg.graph.ops)), self._hook(specs))
+                eval_ops(lg.graph, env, range(lg.num_forward_ops, len(lg.graph.ops)), self._hook(specs),
+                         self._overrides(k))
                 for i, g in zip(lg.spec.param_inputs, lg.param_grad_vars):   # into the accumulator at once
                     acc[i] = acc[i] + _read(lg.graph, env, g).astype(acc[i].dtype)
                 for w, g in zip(lg.spec.in_acts, lg.act_grad_vars):
