@@ -63,10 +63,12 @@ class DeviceSpec:
                            {dtype_name(k): float(v) for k, v in self.peak_flops.items()})
         object.__setattr__(self, "memory_bytes", int(self.memory_bytes))
         object.__setattr__(self, "memory_bandwidth_Bps", float(self.memory_bandwidth_Bps))
+        # planners key their caches by device: hashed millions of times while planning
+        object.__setattr__(self, "_hash", hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
+                                                self.memory_bandwidth_Bps)))
 
     def __hash__(self) -> int:
-        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
-                     self.memory_bandwidth_Bps))
+        return self._hash
 
     def peak_flops_for(self, dtype: Any) -> float:
         """Dense peak FLOP/s for `dtype`; dtypes without their own number use float32's."""
