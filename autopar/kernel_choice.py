@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from autopar.kernel_sites import MatmulSite, site_task
+from autopar.kernel_sites import Site, site_task
 from autopar.plan import KernelUse
 from autopar.sharding_spec import to_partition_spec
 
@@ -33,23 +33,16 @@ class ChosenKernels:
 
     uses: tuple[KernelUse, ...]
     kernels: dict[int, Any]            # op index -> search.Kernel, for the sites it serves
-    sites: dict[int, MatmulSite] = field(default_factory=dict)   # op index -> site, for the same ops
+    sites: dict[int, Site] = field(default_factory=dict)   # op index -> site, for the same ops
     shim: Any = None                   # the FFI shim the kernels are called through
 
 
-def local_call(site: MatmulSite, kernel: Any) -> Callable[[Any, Any], Any]:
+def local_call(site: Site, kernel: Any) -> Callable[[Any, Any], Any]:
     """The site's op on one device's operands, through the kernel."""
-    from autopar.ffi_kernels import call_kernel
-
-    def run(lhs, rhs):
-        batch = () if site.B is None else (site.B,)
-        a = jnp.transpose(lhs, site.lhs_perm).reshape(*batch, site.M, site.K)
-        b = jnp.transpose(rhs, site.rhs_perm).reshape(*batch, site.K, site.N)
-        return call_kernel(kernel, a, b).reshape(site.out_local)
-    return run
+    return site.local(kernel)
 
 
-def site_override(site: MatmulSite, kernel: Any, mesh: Mesh | None) -> Callable[[list], list]:
+def site_override(site: Site, kernel: Any, mesh: Mesh | None) -> Callable[[list], list]:
     """The op replaced by the kernel on every device's block (`eval_graph`'s override)."""
     run = local_call(site, kernel)
     if mesh is None or mesh.devices.size == 1:
@@ -70,14 +63,15 @@ def _time(fn: Callable, args: Sequence[Any], repeats: int = 7) -> float:
     return best
 
 
-def head_to_head(site: MatmulSite, kernel: Any, dimension_numbers: Any, rounds: int = 3) -> tuple[float, float, float]:
+def head_to_head(site: Site, kernel: Any, xla_op: Callable[[Any, Any], Any], rounds: int = 3
+                 ) -> tuple[float, float, float]:
     """(kernel s, XLA s, max relative error of the kernel) for the site's local op on one
-    device, timed in interleaved rounds."""
+    device (`xla_op(lhs, rhs)`: the op as the program has it), timed in interleaved rounds."""
     rng = np.random.default_rng(0)
     lhs = jnp.asarray(rng.standard_normal(site.lhs_local, np.float32))
     rhs = jnp.asarray(rng.standard_normal(site.rhs_local, np.float32))
     tuned = jax.jit(local_call(site, kernel))
-    xla = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers))
+    xla = jax.jit(xla_op)
     want = np.asarray(xla(lhs, rhs))
     got = np.asarray(tuned(lhs, rhs))
     err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-30))
@@ -88,7 +82,13 @@ def head_to_head(site: MatmulSite, kernel: Any, dimension_numbers: Any, rounds: 
     return t_k, t_x, err
 
 
-def _profile_key(site: MatmulSite, workload: str, target: str) -> str:
+def _xla_op(op: Any) -> Callable[[Any, Any], Any]:
+    """The graph op as a function of its two operands (XLA's code for it)."""
+    params = op.primitive.get_bind_params(op.params)
+    return lambda lhs, rhs: op.primitive.bind(lhs, rhs, **params)
+
+
+def _profile_key(site: Site, workload: str, target: str) -> str:
     return f"{workload}|lhs{site.lhs_local}{site.lhs_perm}|rhs{site.rhs_local}{site.rhs_perm}|{target}"
 
 
@@ -110,11 +110,11 @@ class SiteGroup:
     stage (`layer`, its index in the loss), whose ops they index."""
 
     graph: Any
-    sites: tuple[MatmulSite, ...]
+    sites: tuple[Site, ...]
     layer: int | None = None
 
 
-def choose_kernels(graph: Any, sites: Sequence[MatmulSite], mode: str, trials: int, db: Any = None,
+def choose_kernels(graph: Any, sites: Sequence[Site], mode: str, trials: int, db: Any = None,
                    measure: Callable | None = None) -> ChosenKernels:
     """Kernels for `sites` of `graph`: `mode` "tuned" tunes every distinct local matmul with
     `trials` trials each (the task scheduler spends them where the expected gain is
@@ -208,7 +208,7 @@ def _decide(group: SiteGroup, built: dict[str, Any], database: Any, target: str,
         pkey = _profile_key(s, key, target)
         prof = database.get_profile(PROFILE_KIND, pkey)
         if prof is None or prof.get("schedule") != repr(kernel.schedule):
-            t_k, t_x, err = measure(s, kernel, group.graph.ops[s.op].params["dimension_numbers"])
+            t_k, t_x, err = measure(s, kernel, _xla_op(group.graph.ops[s.op]))
             prof = {"tuned_s": t_k, "xla_s": t_x, "rel_error": err, "schedule": repr(kernel.schedule),
                     "workload_key": key, "target_key": target}
             database.put_profile(PROFILE_KIND, pkey, prof)

@@ -7,12 +7,23 @@ are split alike on both operands, so that each device computes its block of the 
 alone: its operands, transposed to (batch, free, contracting) and (batch, contracting,
 free), are a [B, M, K] and a [B, K, N] array, i.e. the search's `matmul` task (no batch
 dimensions) or `batch_matmul` task.
+
+A convolution site is a float32 `conv_general_dilated` without dilations or groups, with
+one stride and one symmetric padding for both spatial dims (the forward of a stride-1
+"SAME" conv and its weight gradient, in any layout): its operands, transposed to NHWC and
+HWIO, are the search's `conv2d` task, on every device whose batch (and output channels)
+the plan splits but not its spatial dims or input channels.
+
+Every site knows its search task (`task()`) and how to run its op on one device's blocks
+through a kernel (`local(kernel)`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from autopar.plan import KernelTask
 from autopar.sharding_spec import DimSharding, local_shape, replicated
@@ -36,6 +47,120 @@ class MatmulSite:
     lhs_spec: DimSharding
     rhs_spec: DimSharding
     out_spec: DimSharding
+
+    def task(self) -> Any:
+        """The search task of the local (batched) matmul."""
+        from search import Task
+
+        if self.B is None:
+            return Task.matmul(self.M, self.N, self.K)
+        return Task.batch_matmul(self.B, self.M, self.N, self.K)
+
+    def local(self, kernel: Any) -> Any:
+        """The op on one device's operands, through `kernel` (a custom call)."""
+        from autopar.ffi_kernels import call_kernel
+
+        batch = () if self.B is None else (self.B,)
+
+        def run(lhs, rhs):
+            a = lhs.transpose(self.lhs_perm).reshape(*batch, self.M, self.K)
+            b = rhs.transpose(self.rhs_perm).reshape(*batch, self.K, self.N)
+            return call_kernel(kernel, a, b).reshape(self.out_local)
+        return run
+
+
+@dataclass(frozen=True)
+class ConvSite:
+    """One conv_general_dilated served as a local NHWC x HWIO conv2d on every device."""
+
+    op: int
+    lhs_perm: tuple[int, ...]          # lhs transposed to NHWC
+    rhs_perm: tuple[int, ...]          # rhs transposed to HWIO
+    out_perm: tuple[int, ...]          # the kernel's NHWC output transposed to the op's layout
+    N: int
+    H: int
+    W: int
+    CI: int
+    CO: int
+    KH: int
+    KW: int
+    stride: int
+    pad: int
+    lhs_local: tuple[int, ...]
+    rhs_local: tuple[int, ...]
+    out_local: tuple[int, ...]
+    lhs_spec: DimSharding
+    rhs_spec: DimSharding
+    out_spec: DimSharding
+
+    def task(self) -> Any:
+        from search import Task
+
+        return Task.conv2d(self.N, self.H, self.W, self.CI, self.CO, self.KH, self.KW, self.stride, self.pad)
+
+    def local(self, kernel: Any) -> Any:
+        from autopar.ffi_kernels import call_kernel
+
+        def run(lhs, rhs):
+            return call_kernel(kernel, lhs.transpose(self.lhs_perm), rhs.transpose(self.rhs_perm)).transpose(
+                self.out_perm)
+        return run
+
+
+Site = MatmulSite | ConvSite
+
+
+def kernel_sites(graph: OpGraph, var_specs: dict[int, DimSharding], mesh_shape: tuple[int, int]) -> list[Site]:
+    """Every op of `graph` a local kernel can serve under `var_specs`, in program order."""
+    return sorted(matmul_sites(graph, var_specs, mesh_shape) + conv_sites(graph, var_specs, mesh_shape),
+                  key=lambda s: s.op)
+
+
+def conv_sites(graph: OpGraph, var_specs: dict[int, DimSharding], mesh_shape: tuple[int, int]) -> list[ConvSite]:
+    """The convolutions of `graph` a local conv2d kernel can serve (see the module doc)."""
+    sites = []
+    for op in graph.ops:
+        if op.name != "conv_general_dilated" or len(op.inputs) != 2 or any(v in graph.literals for v in op.inputs):
+            continue
+        p = op.params
+        lhs, rhs, out = (graph.vars[v] for v in (*op.inputs, op.outputs[0]))
+        if {lhs.dtype, rhs.dtype, out.dtype} != {"float32"} or len(lhs.shape) != 4:
+            continue
+        pads = {tuple(x) for x in p["padding"]}
+        if (set(p["lhs_dilation"]) != {1} or set(p["rhs_dilation"]) != {1} or p["feature_group_count"] != 1
+                or p["batch_group_count"] != 1 or len(set(p["window_strides"])) != 1 or len(pads) != 1
+                or len(set(next(iter(pads)))) != 1):
+            continue
+        dn = p["dimension_numbers"]
+        ln, lc, *lsp = dn.lhs_spec
+        ro, ri, *rsp = dn.rhs_spec
+        on, oc, *osp = dn.out_spec
+        spec = lambda v, nd: var_specs.get(v, replicated(nd))
+        ls, rs = spec(op.inputs[0], 4), spec(op.inputs[1], 4)
+        if any(ls[d] for d in (lc, *lsp)) or any(rs[d] for d in (ri, *rsp)):
+            continue                   # split channels or spatial dims: partial sums or halos, left to XLA
+        out_spec = [()] * 4
+        out_spec[on], out_spec[oc] = ls[ln], rs[ro]
+        used = [a for axes in out_spec for a in axes]
+        if len(used) != len(set(used)):
+            continue
+        lhs_local, rhs_local = local_shape(lhs.shape, ls, mesh_shape), local_shape(rhs.shape, rs, mesh_shape)
+        canon = (on, *osp, oc)         # output dims in NHWC order
+        out_local = [0] * 4
+        n_, h_, w_, ci = (lhs_local[d] for d in (ln, *lsp, lc))
+        kh, kw, co = rhs_local[rsp[0]], rhs_local[rsp[1]], rhs_local[ro]
+        stride, pad = p["window_strides"][0], p["padding"][0][0]
+        oh, ow = (h_ + 2 * pad - kh) // stride + 1, (w_ + 2 * pad - kw) // stride + 1
+        if min(oh, ow) < 1:
+            continue
+        for d, n in zip(canon, (n_, oh, ow, co)):
+            out_local[d] = n
+        sites.append(ConvSite(
+            op=op.index, lhs_perm=(ln, *lsp, lc), rhs_perm=(*rsp, ri, ro), out_perm=tuple(int(x) for x in np.argsort(canon)),
+            N=n_, H=h_, W=w_, CI=ci, CO=co, KH=kh, KW=kw, stride=stride, pad=pad,
+            lhs_local=lhs_local, rhs_local=rhs_local, out_local=tuple(out_local),
+            lhs_spec=ls, rhs_spec=rs, out_spec=tuple(out_spec)))
+    return sites
 
 
 def matmul_sites(graph: OpGraph, var_specs: dict[int, DimSharding], mesh_shape: tuple[int, int]) -> list[MatmulSite]:
@@ -76,16 +201,12 @@ def matmul_sites(graph: OpGraph, var_specs: dict[int, DimSharding], mesh_shape: 
     return sites
 
 
-def site_task(site: MatmulSite) -> Any:
-    """The search task of a site's local (batched) matmul."""
-    from search import Task
-
-    if site.B is None:
-        return Task.matmul(site.M, site.N, site.K)
-    return Task.batch_matmul(site.B, site.M, site.N, site.K)
+def site_task(site: Site) -> Any:
+    """The search task of a site's local op."""
+    return site.task()
 
 
-def kernel_tasks(sites: list[MatmulSite]) -> tuple[KernelTask, ...]:
+def kernel_tasks(sites: list[Site]) -> tuple[KernelTask, ...]:
     """The distinct search tasks of `sites`, each with how many sites it serves, largest first."""
     counts: dict[str, tuple[Any, int]] = {}
     for s in sites:

@@ -78,9 +78,9 @@ def with_kernels(planned: SingleStagePlanned, request: PlanRequest) -> SingleSta
     its stage, and with `request.kernels` != "xla" the kernels chosen for them; choosing
     needs this machine's devices (kernels are timed against XLA here)."""
     from autopar.kernel_choice import choose_kernels
-    from autopar.kernel_sites import kernel_tasks, matmul_sites
+    from autopar.kernel_sites import kernel_tasks, kernel_sites
 
-    sites = matmul_sites(planned.graph, planned.sharding.var_specs, planned.sharding.mesh_shape)
+    sites = kernel_sites(planned.graph, planned.sharding.var_specs, planned.sharding.mesh_shape)
     stage = replace(planned.plan.stages[0], kernel_tasks=kernel_tasks(sites))
     planned = replace(planned, plan=replace(planned.plan, stages=(stage,)))
     if request.kernels == "xla" or request.devices is None:

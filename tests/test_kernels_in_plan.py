@@ -13,7 +13,7 @@ import autopar
 import search.task_scheduler
 from autopar import kernel_choice
 from autopar.ffi_kernels import FfiShim
-from autopar.kernel_sites import matmul_sites, site_task
+from autopar.kernel_sites import ConvSite, kernel_sites, matmul_sites, site_task
 from models import make
 from rockmate.graph import trace_graph
 
@@ -41,13 +41,13 @@ def planned(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("kernels") / "tuning.db")
     backend = CBackend()
     tasks, plans = {}, {}
-    for model in ("mlp", "gpt"):
+    for model in ("mlp", "gpt", "conv"):
         step, state, batch = make(model, "sgd")
         for mesh in MESHES:
             exe = _pstep(step, mesh)._executable((state, batch), {})
             plans[(model, mesh)] = exe.plan
             graph, sharding = exe.planned.graph, exe.planned.sharding
-            for site in matmul_sites(graph, sharding.var_specs, sharding.mesh_shape):
+            for site in kernel_sites(graph, sharding.var_specs, sharding.mesh_shape):
                 t = site_task(site)
                 tasks[t.workload_key] = t
     with autopar.TuningDB(path) as database:
@@ -69,8 +69,7 @@ def _kernels_win(site, kernel, dims):
     return 0.0, 1.0, err
 
 
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
-@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("model,mesh", [(m, mesh) for m in ("mlp", "gpt") for mesh in MESHES] + [("conv", None)])
 def test_step_with_kernels_equals_jit(model, mesh, planned, monkeypatch, tmp_path):
     db, plans = planned
     monkeypatch.setattr(kernel_choice, "head_to_head", _kernels_win)
@@ -91,7 +90,8 @@ def test_step_with_kernels_equals_jit(model, mesh, planned, monkeypatch, tmp_pat
     assert text.count('custom_call_target="autopar_kernel"') >= len(used)
     # forward and backward matmuls are both served: ops after the loss are the gradient's
     graph = trace_graph(step, state, batch)
-    assert {graph.ops[k.op].name for k in used} == {"dot_general"}
+    assert {graph.ops[k.op].name for k in used} == ({"dot_general", "conv_general_dilated"} if model == "conv"
+                                                    else {"dot_general"})
     assert len(used) >= 2
     if model == "gpt":       # attention's batched products, forward and backward, on kernels too
         assert sum(k.workload_key.startswith("batch_matmul") for k in used) >= 4
@@ -185,6 +185,40 @@ def test_attention_products_are_batched_matmul_sites():
     # an operand whose batch dim is split while the other's is whole is left to XLA
     one_side = {v: spec for v, spec in split.items() if v == graph.ops[bm[0].op].inputs[0]}
     assert bm[0].op not in {s.op for s in matmul_sites(graph, one_side, (2, 1))}
+
+
+def test_convolutions_are_conv2d_sites_in_any_layout():
+    """The conv net's stride-1 SAME conv (NHWC x HWIO) and its weight gradient (the same
+    conv with batch and channels swapped: out HWIO) are conv2d sites; the stride-2 conv
+    (asymmetric padding) and the input gradients (dilations) are left to XLA. Each site's
+    local call equals the op on random operands, and a split batch halves the local N."""
+    step, state, batch = make("conv", "sgd")
+    graph = trace_graph(step, state, batch)
+    convs = [op for op in graph.ops if op.name == "conv_general_dilated"]
+    sites = conv_sites_of(graph, {}, (1, 1))
+    assert len(sites) == 2 and len(convs) == 5
+    fwd, wgrad = sites
+    assert (fwd.N, fwd.H, fwd.W, fwd.CI, fwd.CO, fwd.KH, fwd.KW, fwd.stride, fwd.pad) == (8, 8, 8, 4, 8, 3, 3, 1, 1)
+    assert (wgrad.KH, wgrad.KW, wgrad.out_local) == (8, 8, (3, 3, 4, 8))
+    rng = np.random.default_rng(0)
+    for site in sites:            # the task's numpy reference on the transposed operands = the op
+
+        op = graph.ops[site.op]
+        lhs = rng.standard_normal(site.lhs_local).astype(np.float32)
+        rhs = rng.standard_normal(site.rhs_local).astype(np.float32)
+        task = site.task()
+        a, b = lhs.transpose(site.lhs_perm), rhs.transpose(site.rhs_perm)
+        got = task.reference(dict(zip([n for n, _ in task.input_shapes], (a, b)))).transpose(site.out_perm)
+        want = np.asarray(kernel_choice._xla_op(op)(lhs, rhs))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    split = {v: ((0,),) + ((),) * 3 for v in graph.vars if graph.vars[v].shape[:1] == (8,)
+             and len(graph.vars[v].shape) == 4 and graph.vars[v].dtype == "float32"}
+    local = conv_sites_of(graph, split, (2, 1))
+    assert [s.N for s in local] == [4]              # the weight gradient's contraction is split: XLA's
+
+
+def conv_sites_of(graph, specs, mesh_shape):
+    return [s for s in kernel_sites(graph, specs, mesh_shape) if isinstance(s, ConvSite)]
 
 
 def test_no_compiler_runs_on_xla_and_says_so_once(monkeypatch, tmp_path):

@@ -8,13 +8,13 @@ from dataclasses import replace
 from typing import Any
 
 from autopar.kernel_choice import ChosenKernels, SiteGroup, choose_group_kernels
-from autopar.kernel_sites import kernel_tasks, matmul_sites
+from autopar.kernel_sites import kernel_tasks, kernel_sites
 
 
 def stage_site_groups(stage: Any, layouts: Any, mesh_shape: tuple[int, int]) -> list[SiteGroup]:
     """One SiteGroup per layer of `stage` (a StageLayers), at the local shapes of its
     logical mesh under each layer's layouts."""
-    return [SiteGroup(graph=lg.graph, sites=tuple(matmul_sites(lg.graph, dict(c.var_specs), mesh_shape)),
+    return [SiteGroup(graph=lg.graph, sites=tuple(kernel_sites(lg.graph, dict(c.var_specs), mesh_shape)),
                       layer=lg.spec.index) for lg, c in zip(stage.layers, layouts)]
 
 
