@@ -113,9 +113,19 @@ def _compress(e: Edge) -> Edge:
     A cost that splits as u[src] + v[dst] needs no pair variables at all (handled by the caller
     as two one-sided edges)."""
     cost = np.asarray(e.cost_s, dtype=float)
-    rows, rinv = np.unique(cost, axis=0, return_inverse=True)
-    cols, cinv = np.unique(rows, axis=1, return_inverse=True)
-    return Edge(e.src, e.dst, rinv.reshape(-1)[e.src_key], cinv.reshape(-1)[e.dst_key], cols)
+    rows, rinv = _unique_rows(cost)
+    cols_t, cinv = _unique_rows(rows.T)
+    return Edge(e.src, e.dst, rinv[e.src_key], cinv[e.dst_key], cols_t.T)
+
+
+def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(a, axis=0, return_inverse=True) for a 2-D float array, same order (rows
+    sorted lexicographically); on the planners' small cost matrices tuples are about 10x
+    faster than numpy's structured-view sort, and the planners call this ~10^5 times."""
+    rows = list(map(tuple, a.tolist()))
+    uniq = sorted(set(rows))
+    index = {r: i for i, r in enumerate(uniq)}
+    return np.array(uniq, dtype=a.dtype).reshape(len(uniq), a.shape[1]), np.array([index[r] for r in rows], dtype=int)
 
 
 def _build(problem: AssignmentProblem) -> tuple[_Matrix, list[int]]:

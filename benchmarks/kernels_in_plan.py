@@ -97,11 +97,11 @@ def interleaved(fns: dict, state, batch, rounds: int) -> dict[str, float]:
     return best
 
 
-def run_case(model: str, n_devices: int, trials: int, rounds: int, db: str) -> dict:
+def run_case(model: str, n_devices: int, trials: int, rounds: int, db: str, kernels: str = "tuned") -> dict:
     step, state, batch = MODELS[model]()
     devices = jax.devices()[:n_devices]
     t0 = time.perf_counter()
-    tuned = autopar.parallelize(step, devices=devices, kernels="tuned", tuning_trials=trials, tuning_db=db)
+    tuned = autopar.parallelize(step, devices=devices, kernels=kernels, tuning_trials=trials, tuning_db=db)
     _ready(tuned(state, batch))              # plans, tunes, chooses and compiles
     tune_s = time.perf_counter() - t0
     plan = tuned.plan
@@ -148,15 +148,18 @@ def main() -> int:
     ap.add_argument("--devices", default="1,8")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default 7)")
     ap.add_argument("--db", default=None, help="tuning DB (default: a fresh one under a temporary directory)")
+    ap.add_argument("--kernels", choices=["tuned", "cached"], default="tuned",
+                    help="cached: use --db's kernels and comparisons as they are (re-time the step only)")
     args = ap.parse_args()
     console = Console(width=140)
     out = os.path.join(ROOT, "benchmarks", "results", f"kernels_in_plan_{int(time.time())}.json")
     db = args.db or os.path.join(tempfile.mkdtemp(prefix="autopar-kernels-"), "tuning.db")
     result = {"machine": {"cpu_count": os.cpu_count(), "jax": jax.__version__}, "trials_per_task": args.trials,
-              "tuning_db": db, "cases": []}
+              "kernels": args.kernels, "tuning_db": db, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+              "cases": []}
     for model in args.models.split(","):
         for n in (int(d) for d in args.devices.split(",")):
-            case = run_case(model, n, args.trials, args.rounds, db)
+            case = run_case(model, n, args.trials, args.rounds, db, args.kernels)
             result["cases"].append(case)
             print_case(console, case)
             with open(out, "w") as f:
