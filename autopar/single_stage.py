@@ -86,8 +86,34 @@ def with_kernels(planned: SingleStagePlanned, request: PlanRequest) -> SingleSta
     if request.kernels == "xla" or request.devices is None:
         return planned
     chosen = choose_kernels(planned.graph, sites, request.kernels, request.tuning_trials, request.tuning_db)
+    chosen = _confirm_in_step(planned, request, chosen)
     stage = replace(stage, kernels=chosen.uses)
     return replace(planned, plan=replace(planned.plan, stages=(stage,)), kernels=chosen)
+
+
+def _confirm_in_step(planned: SingleStagePlanned, request: PlanRequest, chosen: Any) -> Any:
+    """The chosen kernels that also make the whole step faster (`kernel_in_step`), when the
+    example inputs are real arrays in one process; otherwise `chosen` as it is."""
+    import hashlib
+
+    from autopar.kernel_in_step import concrete, confirm_in_step
+    from search.backend import CBackend
+    from search.tune import open_db
+
+    if not chosen.kernels or is_multi_process() or not concrete((request.args, request.kwargs)):
+        return chosen
+
+    def build(kernels: Any) -> SingleStageExecutable:
+        return SingleStageExecutable(replace(planned, kernels=kernels), request.devices, (), request.args)
+
+    layouts = hashlib.sha256(repr(sorted(planned.sharding.var_specs.items())).encode()).hexdigest()[:16]
+    context = f"{planned.plan.signature}|{planned.sharding.mesh_shape}|{layouts}|{CBackend().target_key()}"
+    database, owned = open_db(request.tuning_db)
+    try:
+        return confirm_in_step(chosen, build, request.args, request.kwargs, database, context)
+    finally:
+        if owned:
+            database.close()
 
 
 def trace_step(fun, args: tuple, kwargs: dict) -> OpGraph:

@@ -11,7 +11,7 @@ import pytest
 
 import autopar
 import search.task_scheduler
-from autopar import kernel_choice
+from autopar import kernel_choice, kernel_in_step
 from autopar.ffi_kernels import FfiShim
 from autopar.kernel_sites import ConvSite, kernel_sites, matmul_sites, site_task
 from models import make
@@ -69,10 +69,21 @@ def _kernels_win(site, kernel, dims):
     return 0.0, 1.0, err
 
 
+def _step_faster_with_more_kernels(build, args, kwargs, a, b, rounds=1):
+    """kernel_in_step.step_times reporting the step with kernels `b` faster than with `a`."""
+    return 1.0, 0.5
+
+
+def _force_kernels(monkeypatch):
+    """Kernels win head to head (their numerics still checked) and in the step."""
+    monkeypatch.setattr(kernel_choice, "head_to_head", _kernels_win)
+    monkeypatch.setattr(kernel_in_step, "step_times", _step_faster_with_more_kernels)
+
+
 @pytest.mark.parametrize("model,mesh", [(m, mesh) for m in ("mlp", "gpt") for mesh in MESHES] + [("conv", None)])
 def test_step_with_kernels_equals_jit(model, mesh, planned, monkeypatch, tmp_path):
     db, plans = planned
-    monkeypatch.setattr(kernel_choice, "head_to_head", _kernels_win)
+    _force_kernels(monkeypatch)
     local_db = tmp_path / "copy.db"      # the forced timings stay out of the shared DB
     local_db.write_bytes(open(db, "rb").read())
     step, state, batch = make(model, "sgd")
@@ -131,7 +142,9 @@ def test_tuned_for_real(tmp_path, monkeypatch):
     uses = pstep.plan.stages[0].kernels
     timed = [k for k in uses if k.tuned_s is not None]
     assert len(timed) == len(uses) > 0           # every task got a schedule
-    assert all(k.used == (k.tuned_s < k.xla_s) for k in timed)
+    assert all(k.used <= (k.tuned_s < k.xla_s) for k in timed)
+    assert all(k.used or k.reason == ("slower in the step" if k.tuned_s < k.xla_s else "slower than XLA")
+               for k in timed)
     _leaves_close(out, jax.jit(step)(state, batch))
     with autopar.TuningDB(path) as database:
         assert len(database.profiles(kernel_choice.PROFILE_KIND)) >= len({k.workload_key for k in uses})
@@ -140,6 +153,7 @@ def test_tuned_for_real(tmp_path, monkeypatch):
         raise AssertionError("kernels='cached' measured again")
 
     monkeypatch.setattr(kernel_choice, "head_to_head", no_measuring)
+    monkeypatch.setattr(kernel_in_step, "step_times", no_measuring)
     again = autopar.parallelize(step, devices=jax.devices()[:1], kernels="cached", tuning_db=path)
     again(state, batch)
     assert again.plan.stages[0].kernels == uses
@@ -219,6 +233,46 @@ def test_convolutions_are_conv2d_sites_in_any_layout():
 
 def conv_sites_of(graph, specs, mesh_shape):
     return [s for s in kernel_sites(graph, specs, mesh_shape) if isinstance(s, ConvSite)]
+
+
+def test_kernels_that_slow_the_step_are_not_kept(planned, monkeypatch, tmp_path):
+    """Kernels that beat XLA head to head but make the whole step slower are dropped task
+    by task ("slower in the step"); a task that speeds the step up is kept; the decision is
+    stored and `kernels="cached"` reuses it without timing the step again."""
+    db = planned[0]
+    step, state, batch = make("mlp", "sgd")
+    local_db = tmp_path / "copy.db"
+    local_db.write_bytes(open(db, "rb").read())
+    monkeypatch.setattr(kernel_choice, "head_to_head", _kernels_win)
+    calls = []
+
+    def only_one_task_helps(build, args, kwargs, a, b, rounds=1):
+        calls.append((a, b))
+        keys = lambda c: set() if c is None else {site_task(s).workload_key for s in c.sites.values()}
+        helps = sorted(keys(b))[0] if keys(b) else None
+        # the step gets faster only with `helps` (the first task in sorted order), slower with any other
+        cost = lambda c: 1.0 + 0.1 * len(keys(c) - {helps}) - (0.1 if helps in keys(c) else 0.0)
+        return cost(a), cost(b)
+
+    monkeypatch.setattr(kernel_in_step, "step_times", only_one_task_helps)
+    pstep = autopar.parallelize(step, devices=jax.devices()[:1], kernels="cached", tuning_db=str(local_db))
+    out = pstep(state, batch)
+    uses = pstep.plan.stages[0].kernels
+    kept = {k.workload_key for k in uses if k.used}
+    dropped = {k.workload_key for k in uses if k.reason == "slower in the step"}
+    assert len(kept) == 1 and dropped and not kept & dropped
+    assert calls
+    text = pstep.lower(state, batch).compile().as_text()
+    assert text.count('custom_call_target="autopar_kernel"') == sum(k.used for k in uses)
+    _leaves_close(out, jax.jit(step)(state, batch))
+
+    def no_timing(*args, **kw):
+        raise AssertionError("kernels='cached' timed the step again")
+
+    monkeypatch.setattr(kernel_in_step, "step_times", no_timing)
+    again = autopar.parallelize(step, devices=jax.devices()[:1], kernels="cached", tuning_db=str(local_db))
+    again(state, batch)
+    assert again.plan.stages[0].kernels == uses
 
 
 def test_no_compiler_runs_on_xla_and_says_so_once(monkeypatch, tmp_path):
@@ -321,7 +375,7 @@ def test_interrupted_tuning_keeps_records_and_the_step_runs(tmp_path, monkeypatc
     with autopar.TuningDB(db) as database:
         assert len(database.workloads()) == 1           # one task's round, kept
 
-    monkeypatch.setattr(kernel_choice, "head_to_head", _kernels_win)
+    _force_kernels(monkeypatch)
     _interrupt_after_first_round(monkeypatch)
     fresh = str(tmp_path / "fresh.db")
     with warnings.catch_warnings(record=True) as caught:
