@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from autopar.kernel_sites import Site, site_task
+from autopar.kernel_sites import Site, kernel_tasks, search_task, site_task
 from autopar.plan import KernelUse
 from autopar.sharding_spec import to_partition_spec
 
@@ -37,14 +37,9 @@ class ChosenKernels:
     shim: Any = None                   # the FFI shim the kernels are called through
 
 
-def local_call(site: Site, kernel: Any) -> Callable[[Any, Any], Any]:
-    """The site's op on one device's operands, through the kernel."""
-    return site.local(kernel)
-
-
 def site_override(site: Site, kernel: Any, mesh: Mesh | None) -> Callable[[list], list]:
     """The op replaced by the kernel on every device's block (`eval_graph`'s override)."""
-    run = local_call(site, kernel)
+    run = site.local(kernel)
     if mesh is None or mesh.devices.size == 1:
         return lambda inputs: [run(*inputs)]
     f = jax.shard_map(run, mesh=mesh, in_specs=(to_partition_spec(site.lhs_spec), to_partition_spec(site.rhs_spec)),
@@ -52,14 +47,26 @@ def site_override(site: Site, kernel: Any, mesh: Mesh | None) -> Callable[[list]
     return lambda inputs: [f(*inputs)]
 
 
-def _time(fn: Callable, args: Sequence[Any], repeats: int = 7) -> float:
-    """Best wall time of a jitted call (after a warm-up), seconds."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
+def overrides(chosen: ChosenKernels | None, mesh: Mesh | None) -> dict[int, Callable[[list], list]]:
+    """Op index -> the kernel's replacement, for the ops `chosen` serves with kernels."""
+    if chosen is None:
+        return {}
+    return {op: site_override(chosen.sites[op], k, mesh) for op, k in chosen.kernels.items()}
+
+
+def interleaved_best_s(calls: Sequence[Callable[[], Any]], rounds: int, repeats: int = 1) -> list[float]:
+    """Best wall time of each no-argument call (each waited for, after one warm-up call),
+    timed in alternating rounds of `repeats` calls each, so that the machine's drift falls on
+    all of them alike."""
+    for call in calls:
+        jax.block_until_ready(call())
+    best = [float("inf")] * len(calls)
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(call())
+                best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 
@@ -70,15 +77,12 @@ def head_to_head(site: Site, kernel: Any, xla_op: Callable[[Any, Any], Any], rou
     rng = np.random.default_rng(0)
     lhs = jnp.asarray(rng.standard_normal(site.lhs_local, np.float32))
     rhs = jnp.asarray(rng.standard_normal(site.rhs_local, np.float32))
-    tuned = jax.jit(local_call(site, kernel))
+    tuned = jax.jit(site.local(kernel))
     xla = jax.jit(xla_op)
     want = np.asarray(xla(lhs, rhs))
     got = np.asarray(tuned(lhs, rhs))
     err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-30))
-    t_k, t_x = float("inf"), float("inf")
-    for _ in range(rounds):
-        t_k = min(t_k, _time(tuned, (lhs, rhs)))
-        t_x = min(t_x, _time(xla, (lhs, rhs)))
+    t_k, t_x = interleaved_best_s([lambda: tuned(lhs, rhs), lambda: xla(lhs, rhs)], rounds, repeats=7)
     return t_k, t_x, err
 
 
@@ -157,12 +161,9 @@ def choose_group_kernels(groups: Sequence[SiteGroup], mode: str, trials: int, db
         return all_on_xla("no C compiler")
     database, owned = open_db(db)
     try:
-        tasks = {}
-        counts: dict[str, int] = {}
-        for s in sites:
-            t = site_task(s)
-            tasks.setdefault(t.workload_key, t)
-            counts[t.workload_key] = counts.get(t.workload_key, 0) + 1
+        planned = kernel_tasks(sites)
+        tasks = {kt.workload_key: search_task(kt) for kt in planned}
+        counts = {kt.workload_key: kt.ops for kt in planned}
         if mode == "tuned":
             keys = sorted(tasks)
             try:

@@ -9,13 +9,12 @@ without them, gets faster. The decision is stored in the tuning DB (profile kind
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import jax
 
-from autopar.kernel_choice import ChosenKernels
+from autopar.kernel_choice import ChosenKernels, interleaved_best_s
 from autopar.kernel_sites import site_task
 
 PROFILE_KIND = "kernel_in_step"
@@ -28,18 +27,7 @@ def step_times(build: Callable[[ChosenKernels | None], Callable[..., Any]], args
     """Best wall time of the step built with kernels `a` and with `b`, timed in alternating
     rounds after a warm-up call of each."""
     fa, fb = build(a), build(b)
-    jax.block_until_ready(fa(*args, **kwargs))
-    jax.block_until_ready(fb(*args, **kwargs))
-    ta = tb = float("inf")
-    for _ in range(rounds):
-        for f, which in ((fa, "a"), (fb, "b")):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args, **kwargs))
-            dt = time.perf_counter() - t0
-            if which == "a":
-                ta = min(ta, dt)
-            else:
-                tb = min(tb, dt)
+    ta, tb = interleaved_best_s([lambda: fa(*args, **kwargs), lambda: fb(*args, **kwargs)], rounds)
     return ta, tb
 
 

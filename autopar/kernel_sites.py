@@ -20,6 +20,7 @@ through a kernel (`local(kernel)`).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,13 +209,11 @@ def site_task(site: Site) -> Any:
 
 def kernel_tasks(sites: list[Site]) -> tuple[KernelTask, ...]:
     """The distinct search tasks of `sites`, each with how many sites it serves, largest first."""
-    counts: dict[str, tuple[Any, int]] = {}
-    for s in sites:
-        t = site_task(s)
-        counts[t.workload_key] = (t, counts.get(t.workload_key, (t, 0))[1] + 1)
-    tasks = [KernelTask(workload_key=k, op=t.op, sizes=tuple((n, int(v)) for n, v in t.params), ops=n)
-             for k, (t, n) in counts.items()]
-    return tuple(sorted(tasks, key=lambda kt: (-search_task(kt).flops * kt.ops, kt.workload_key)))
+    tasks = {t.workload_key: t for t in map(site_task, sites)}
+    counts = Counter(site_task(s).workload_key for s in sites)
+    found = [KernelTask(workload_key=k, op=t.op, sizes=tuple((n, int(v)) for n, v in t.params), ops=counts[k])
+             for k, t in tasks.items()]
+    return tuple(sorted(found, key=lambda kt: (-tasks[kt.workload_key].flops * kt.ops, kt.workload_key)))
 
 
 def search_task(kt: KernelTask) -> Any:

@@ -44,8 +44,10 @@ class SingleStageExecutable:
         self.planned = planned
         flat_donate = flat_indices(args, donate_argnums)
         mesh = build_mesh(devices, planned.sharding.mesh_shape)
-        overrides = kernel_overrides(planned, mesh)
-        self.jitted = sharded_function(planned.graph, planned.sharding, mesh, flat_donate, overrides=overrides)
+        from autopar.kernel_choice import overrides
+
+        self.jitted = sharded_function(planned.graph, planned.sharding, mesh, flat_donate,
+                                       overrides=overrides(planned.kernels, mesh))
         self.in_shardings = input_shardings(planned.graph, planned.sharding, mesh)
 
     def _flat_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
@@ -62,15 +64,6 @@ class SingleStageExecutable:
 
     def lower(self, *args, **kwargs) -> LoweredStep:
         return LoweredStep([self.jitted.lower(*self._flat_inputs(args, kwargs))])
-
-
-def kernel_overrides(planned: SingleStagePlanned, mesh: Any) -> dict:
-    """Op index -> the tuned kernel's replacement, for the ops kernels serve."""
-    from autopar.kernel_choice import site_override
-
-    if planned.kernels is None:
-        return {}
-    return {op: site_override(planned.kernels.sites[op], k, mesh) for op, k in planned.kernels.kernels.items()}
 
 
 def with_kernels(planned: SingleStagePlanned, request: PlanRequest) -> SingleStagePlanned:

@@ -30,52 +30,14 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from autopar.kernel_choice import interleaved_best_s  # noqa: E402
+from kernels import WORKLOADS as CPU_WORKLOADS, jax_op  # noqa: E402
 from search import Task, tune  # noqa: E402
 from search.backend_pallas import PallasBackend, gpu_name  # noqa: E402
 from search.schedule import replay  # noqa: E402
 
-WORKLOADS = {
-    "W1": Task.matmul(512, 512, 512),
-    "W2": Task.dense(1024, 4096, 1024, "gelu"),
-    "W3": Task.batch_matmul(32, 128, 128, 64),
-    "W4": Task.softmax(4096, 1024),
-    "W5": Task.layernorm(4096, 1024),
-}
+WORKLOADS = {name: task for name, (_, task) in CPU_WORKLOADS.items()}      # W1-W5, as on CPU
 SMOKE = {"W1": Task.matmul(32, 48, 32), "W3": Task.batch_matmul(2, 16, 16, 16), "W4": Task.softmax(8, 32)}
-
-
-def xla_function(task: Task):
-    """XLA's code for the task's op (jax.jit of the plain jnp expression)."""
-    p = dict(task.params)
-    if task.op in ("matmul", "batch_matmul"):
-        ep = p.get("epilogue")
-        act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, None: lambda x: x}[ep]
-        return jax.jit(lambda a, b: act(a @ b))
-    if task.op == "dense":
-        act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, None: lambda x: x}[p.get("epilogue")]
-        return jax.jit(lambda a, b, c: act(a @ b + c))
-    if task.op == "softmax":
-        return jax.jit(lambda x: jax.nn.softmax(x, axis=1))
-    if task.op == "layernorm":
-        eps = p.get("eps", 1e-5)
-
-        def ln(x, g, b):
-            m = x.mean(1, keepdims=True)
-            v = ((x - m) ** 2).mean(1, keepdims=True)
-            return (x - m) * jax.lax.rsqrt(v + eps) * g + b
-        return jax.jit(ln)
-    raise ValueError(f"no XLA baseline for {task.op}")
-
-
-def best_call_s(fn, args, rounds: int = 5, calls: int = 20) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(rounds):
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def gpt_plan_tasks(limit: int) -> dict[str, Task]:
@@ -105,13 +67,11 @@ def run_task(name: str, task: Task, trials: int, db: str, timed: bool) -> dict:
     ins = task.random_inputs(0)
     args = [jnp.asarray(ins[n]) for n, _ in task.input_shapes]
     pallas = PallasBackend().function(replay(task.dag, res.best_schedule))
-    xla = xla_function(task)
+    xla = jax.jit(jax_op(task))
     got, want = np.asarray(pallas(*args)), np.asarray(xla(*args))
     row["rel_error_vs_xla"] = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-30))
-    t_p, t_x = float("inf"), float("inf")
-    for _ in range(3):                     # interleaved
-        t_p = min(t_p, best_call_s(pallas, args, rounds=1, calls=10 if timed else 2))
-        t_x = min(t_x, best_call_s(xla, args, rounds=1, calls=10 if timed else 2))
+    t_p, t_x = interleaved_best_s([lambda: pallas(*args), lambda: xla(*args)], rounds=3,
+                                  repeats=10 if timed else 2)
     row.update(pallas_s=t_p, xla_s=t_x, speedup=t_x / t_p, gflops=task.flops / t_p / 1e9)
     return row
 

@@ -57,6 +57,30 @@ def baselines(task: Task) -> dict[str, float]:
     return {"xla_s": _time(xla), "numpy_s": _time(np_fn, min_runs=3)}
 
 
+def jax_op(task: Task):
+    """The operator as plain jnp code (XLA's version of it, once jitted); the activations are
+    jax.nn's (gelu: the tanh approximation, as ours)."""
+    import jax
+
+    p = dict(task.params)
+    act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, None: lambda x: x}[p.get("epilogue")]
+    if task.op in ("matmul", "batch_matmul"):
+        return lambda a, b: act(a @ b)
+    if task.op == "dense":
+        return lambda a, b, c: act(a @ b + c)
+    if task.op == "softmax":
+        return lambda x: jax.nn.softmax(x, axis=1)
+    if task.op == "layernorm":
+        eps = p.get("eps", 1e-5)
+
+        def layernorm(x, g, b):
+            m = x.mean(1, keepdims=True)
+            v = ((x - m) ** 2).mean(1, keepdims=True)
+            return (x - m) * jax.lax.rsqrt(v + eps) * g + b
+        return layernorm
+    raise ValueError(f"no jnp version of {task.op}")
+
+
 def _reference_fns(task: Task):
     """No-argument calls of the operator under jax.jit and in numpy, on the task's seeded inputs."""
     import jax
@@ -65,21 +89,15 @@ def _reference_fns(task: Task):
     ins = task.random_inputs(0)
     p = dict(task.params)
     args = [aligned_copy(ins[n]) for n, _ in task.input_shapes]
+    jf = jax_op(task)
     if task.op in ("matmul", "batch_matmul"):
-        jf, nf = (lambda a, b: a @ b), (lambda a, b: a @ b)
+        nf = lambda a, b: a @ b  # noqa: E731
     elif task.op == "dense":
-        jf = lambda a, b, c: jax.nn.gelu(a @ b + c)  # noqa: E731  (tanh approximation, as ours)
         nf = lambda a, b, c: (lambda x: 0.5 * x * (1 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3))))(a @ b + c)  # noqa: E731
     elif task.op == "softmax":
-        jf = lambda x: jax.nn.softmax(x, axis=1)  # noqa: E731
         nf = lambda x: (lambda e: e / e.sum(1, keepdims=True))(np.exp(x - x.max(1, keepdims=True)))  # noqa: E731
     elif task.op == "layernorm":
         eps = p.get("eps", 1e-5)
-
-        def jf(x, g, b):
-            m = x.mean(1, keepdims=True)
-            v = ((x - m) ** 2).mean(1, keepdims=True)
-            return (x - m) * jax.lax.rsqrt(v + eps) * g + b
 
         def nf(x, g, b):
             m = x.mean(1, keepdims=True)

@@ -18,7 +18,7 @@ from .compute import ComputeDAG
 from .mutation import checked_program
 from .pallas_plan import PallasProgram, gpu_problem, plan
 from .schedule import ScheduleError, State, StageState, Step, apply_step, initial_state, replay
-from .sketch import (Sketch, _fusion_steps, _has_math, _is_inlinable, compute_location_options,
+from .sketch import (Sketch, _fusion_steps, _has_math, _is_inlinable, _with_ones, compute_location_options,
                      fusible_consumer, has_data_reuse)
 
 MAX_BLOCK_SIDE = 128   # largest block along one axis
@@ -66,17 +66,11 @@ def pallas_sketches(dag: ComputeDAG) -> list[Sketch]:
         for label, br in branches:
             s2 = state
             for i, step in enumerate(br):
-                s2 = apply_step(s2, _ones(step), [_ones(h) for h in steps + br[:i]])
+                s2 = apply_step(s2, _with_ones(step), [_with_ones(h) for h in steps + br[:i]])
             rec(s2, steps + br, names[1:], tag + "+" + label if label else tag)
 
     rec(initial_state(dag), [], [s.name for s in reversed(dag.stages)], "")
     return out
-
-
-def _ones(step: Step) -> Step:
-    if step["kind"] == "split" and None in step["factors"]:
-        return {**step, "factors": [1] * len(step["factors"])}
-    return step
 
 
 def powers_of_two(limit: int) -> list[int]:

@@ -63,6 +63,17 @@ def _leaves_close(got, want, rtol=1e-4):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * (np.abs(b).max() + 1e-12))
 
 
+def _two_steps_equal_jit(pstep, step, state, batch):
+    """Two steps of `pstep` equal two of jax.jit(step) (rtol 1e-4); returns jit's first."""
+    s1, loss1 = pstep(state, batch)
+    s2, loss2 = pstep(s1, batch)
+    r1, rl1 = jax.jit(step)(state, batch)
+    r2, rl2 = jax.jit(step)(r1, batch)
+    np.testing.assert_allclose([float(loss1), float(loss2)], [float(rl1), float(rl2)], rtol=1e-4)
+    _leaves_close(s2, r2)
+    return r1, rl1
+
+
 def _kernels_win(site, kernel, dims):
     """head_to_head with the real numerics check but the kernel reported faster."""
     t_k, t_x, err = HEAD_TO_HEAD(site, kernel, dims, rounds=1)
@@ -88,12 +99,7 @@ def test_step_with_kernels_equals_jit(model, mesh, planned, monkeypatch, tmp_pat
     local_db.write_bytes(open(db, "rb").read())
     step, state, batch = make(model, "sgd")
     pstep = _pstep(step, mesh, kernels="cached", tuning_db=str(local_db), plan=plans[(model, mesh)])
-    s1, loss1 = pstep(state, batch)
-    s2, loss2 = pstep(s1, batch)
-    r1, rl1 = jax.jit(step)(state, batch)
-    r2, rl2 = jax.jit(step)(r1, batch)
-    np.testing.assert_allclose([float(loss1), float(loss2)], [float(rl1), float(rl2)], rtol=1e-4)
-    _leaves_close(s2, r2)
+    _two_steps_equal_jit(pstep, step, state, batch)
     uses = pstep.plan.stages[0].kernels
     used = [k for k in uses if k.used]
     assert used, uses
@@ -437,12 +443,7 @@ def test_pipeline_stages_run_kernels_and_equal_jit(tmp_path, monkeypatch):
                                        latencies_s=(1.0,)) for k, kt in tasks.items())
     monkeypatch.setattr(kernel_choice, "head_to_head", _kernels_win)
     pstep = autopar.parallelize(step, method=autopar.PipeshardParallel(**method), kernels="cached", tuning_db=db)
-    s1, l1 = pstep(state, batch)
-    s2, l2 = pstep(s1, batch)
-    r1, rl1 = jax.jit(step)(state, batch)
-    r2, rl2 = jax.jit(step)(r1, batch)
-    np.testing.assert_allclose([float(l1), float(l2)], [float(rl1), float(rl2)], rtol=1e-4)
-    _leaves_close(s2, r2)
+    r1, rl1 = _two_steps_equal_jit(pstep, step, state, batch)
     for stage, programs in zip(pstep.plan.stages, pstep._executable((state, batch), {}).programs):
         used = [k for k in stage.kernels if k.used]
         assert used and all(k.layer is not None for k in used)

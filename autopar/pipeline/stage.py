@@ -241,9 +241,9 @@ class StagePrograms:
 
     def _overrides(self, k: int) -> dict | None:
         """Op index -> tuned kernel call, for the ops of layer `k` kernels serve."""
-        from autopar.pipeline.stage_kernels import layer_overrides
+        from autopar.kernel_choice import overrides
 
-        return layer_overrides(self.kernels[k], self.mesh) if self.kernels else None
+        return (overrides(self.kernels[k], self.mesh) or None) if self.kernels else None
 
     def _constrain(self, specs: dict[int, DimSharding], v: int, value: Any) -> Any:
         spec = specs.get(v)

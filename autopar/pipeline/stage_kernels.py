@@ -33,12 +33,3 @@ def with_stage_kernels(planned: Any, request: Any) -> Any:
         stages = [replace(s, kernels=tuple(u for c in per_layer for u in c.uses))
                   for s, per_layer in zip(stages, chosen)]
     return replace(planned, plan=replace(planned.plan, stages=tuple(stages)), kernels=chosen)
-
-
-def layer_overrides(chosen: ChosenKernels | None, mesh: Any) -> dict | None:
-    """Op index -> the kernel's replacement, for the ops of one layer that kernels serve."""
-    from autopar.kernel_choice import site_override
-
-    if chosen is None or not chosen.kernels:
-        return None
-    return {op: site_override(chosen.sites[op], k, mesh) for op, k in chosen.kernels.items()}
