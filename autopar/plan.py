@@ -191,6 +191,7 @@ class TokenSlicing:
     predicted_step_s: float
     unsliced_step_s: float                       # the same stages with whole sequences (same cost model)
     bounds_tried: int = 0
+    slice_times: str = "model"                   # "model" (token_cost) or "measured" (profile=True)
 
     @property
     def num_items(self) -> int:

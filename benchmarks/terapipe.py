@@ -17,8 +17,9 @@ long-sequence variants of the 13B model (8k and 32k tokens) on 8 hosts of 8 H100
 
 Run: .venv/bin/python benchmarks/terapipe.py [--only NAME,...] [--cpu]
 Prints a table and writes benchmarks/results/terapipe_<time>.json. --cpu instead runs the
-test GPT on this machine's 8 simulated devices, token pipeline vs micro-batch pipeline:
-measured step time and the first stage's peak residual bytes.
+test GPT on this machine's 8 simulated devices, token pipeline vs micro-batch pipeline,
+slices priced by the cost model and by measured slice times (profile=True): each plan's
+predicted step, its measured step time and the first stage's peak residual bytes.
 """
 from __future__ import annotations
 
@@ -103,9 +104,18 @@ def run_case(case: Case) -> dict:
     }
 
 
+CPU_VARIANTS = {"whole sequences": {"token_slices": 1},
+                "4 slices, modelled": {"token_slices": 4},
+                "4 slices, profiled": {"token_slices": 4, "profile": True},
+                "auto, modelled": {"token_slices": "auto"},
+                "auto, profiled": {"token_slices": "auto", "profile": True}}
+
+
 def run_cpu() -> dict:
     """The test GPT on 8 simulated CPU devices: 2 stages, 2 micro-batches, 1F1B; whole
-    sequences vs 4 token slices; interleaved timed rounds in one process."""
+    sequences, 4 token slices and the auto slicing, priced by the cost model and by slice
+    times measured here (profile=True); each plan's predicted step against its measured
+    step, timed in interleaved rounds in one process."""
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     import jax
@@ -117,11 +127,13 @@ def run_cpu() -> dict:
     opt = optax.sgd(0.1)
     state, batch = init_state(opt), make_batch(jax.random.PRNGKey(1), 8)
     step = make_step(opt, closure=True, markers=True, attention=autopar.causal_attention)
-    steps = {k: autopar.parallelize(step, method=autopar.PipeshardParallel(
-        num_micro_batches=2, num_stages=2, token_slices=k)) for k in (1, 4)}
+    steps, planning = {}, {}
+    for name, kw in CPU_VARIANTS.items():
+        steps[name] = autopar.parallelize(step, method=autopar.PipeshardParallel(num_micro_batches=2, num_stages=2, **kw))
+        t0 = time.perf_counter()
+        jax.block_until_ready(steps[name](state, batch))
+        planning[name] = time.perf_counter() - t0
     times = {k: [] for k in steps}
-    for k, f in steps.items():
-        jax.block_until_ready(f(state, batch))
     for _ in range(10):
         for k, f in steps.items():
             t0 = time.perf_counter()
@@ -130,8 +142,13 @@ def run_cpu() -> dict:
     out = {}
     for k, f in steps.items():
         run = f._executable((state, batch), {}).last_run
-        out[k] = {"median_step_s": sorted(times[k])[len(times[k]) // 2], "first_stage_peak_bytes": run.peak_live_bytes[0],
-                  "tasks": len(run.order)}
+        sl = f.plan.pipeline.token_slices
+        out[k] = {"median_step_s": sorted(times[k])[len(times[k]) // 2],
+                  "predicted_step_s": f.plan.predicted_time_s if sl is None else sl.predicted_step_s,
+                  "slices": None if sl is None else [list(x) for x in sl.slices],
+                  "micro_batch_sizes": None if sl is None else list(sl.micro_batch_sizes),
+                  "first_stage_peak_bytes": run.peak_live_bytes[0], "tasks": len(run.order),
+                  "plan_and_first_step_s": planning[k]}
     return out
 
 
@@ -146,9 +163,13 @@ def main(argv=None) -> int:
     if args.cpu:
         rows = run_cpu()
         print(json.dumps(rows, indent=1))
-        print("\n| token slices | median step s | first-stage peak residual bytes | tasks |\n|---|---|---|---|")
+        print("\n| plan | slices per micro-batch | predicted step s | measured step s | first-stage peak residual bytes "
+              "| tasks |\n|---|---|---|---|---|---|")
         for k, r in rows.items():
-            print(f"| {k} | {r['median_step_s']:.4f} | {r['first_stage_peak_bytes']} | {r['tasks']} |")
+            sl = "whole" if r["slices"] is None else ", ".join(f"{b}x{x}" for b, x in zip(r["micro_batch_sizes"],
+                                                                                         r["slices"]))
+            print(f"| {k} | {sl} | {r['predicted_step_s']:.4f} | {r['median_step_s']:.4f} | "
+                  f"{r['first_stage_peak_bytes']} | {r['tasks']} |")
         path = os.path.join(out_dir, f"terapipe_cpu_{int(time.time())}.json")
     else:
         only = {n.strip().lower() for n in args.only.split(",")} if args.only else None

@@ -106,7 +106,7 @@ def test_cli_plans_token_slices_for_a_v100_cluster(tmp_path, capsys):
                "--vocab", "128", "--cluster", "2x8:v100-16g", "--method", "pipeshard", "--micro-batches", "1",
                "--stages", "2", "--token-slices", "auto", "--out", str(out)])
     assert rc == 0
-    assert "token slices (TeraPipe, 64 tokens)" in capsys.readouterr().out
+    assert "token slices (TeraPipe, 64 tokens, model slice times)" in capsys.readouterr().out
     ts = autopar.Plan.load(out).pipeline.token_slices
     assert sum(ts.micro_batch_sizes) == 2 and all(sum(s) == 64 for s in ts.slices)
     assert main(["plan", "--method", "pipeshard", "--token-slices", "3,x"]) == 2

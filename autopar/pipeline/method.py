@@ -39,6 +39,10 @@ class PipeshardParallel:
         "spmd" (the loss's layer scan, e.g. flax nn.scan, pipelined inside one program:
         `pipeline/spmd.py`) or "auto": the SPMD pipeline when the loss has a layer scan and
         it is predicted faster than the per-stage plan.
+    profile: with token_slices, price the slices from the stages' forward and backward
+        timed on their own devices (`pipeline/token_profile.py`) instead of the cost model:
+        TeraPipe's measured slice times, which see what a model cannot (a thin slice below
+        peak, a fixed cost per program). Needs the devices the plan runs on, in one process.
     """
 
     num_micro_batches: int | str = 1
@@ -53,6 +57,7 @@ class PipeshardParallel:
     planning_tolerance: float = 0.02
     token_slices: int | str | Sequence[int] = 1
     lowering: str = "auto"
+    profile: bool = False
     # the layer ILP solutions of every plan this method makes (keyed by content and mesh):
     # planning again under another budget, cluster or batch reuses them
     _layer_solver: Any = field(default=None, init=False, repr=False, compare=False)
@@ -89,12 +94,16 @@ class PipeshardParallel:
         if self.lowering == "spmd" and (self.token_slices != 1 or self.submeshes != "auto"):
             raise ValueError("lowering='spmd' runs equal stages of the layer scan on one mesh: it takes neither "
                              "token_slices nor submeshes; use lowering='per-stage' for those")
+        if self.profile and self.token_slices == 1:
+            raise ValueError("profile=True measures token slice times: it needs token_slices != 1 "
+                             "(an int, a list of lengths or 'auto')")
         if not 0 <= self.planning_tolerance < 1:
             raise ValueError(f"planning_tolerance must be in [0, 1), got {self.planning_tolerance!r}")
 
     @property
     def name(self) -> str:
-        slices = "" if self.token_slices == 1 else f", token_slices={self.token_slices}"
+        slices = "" if self.token_slices == 1 else f", token_slices={self.token_slices}" + \
+            (", profiled" if self.profile else "")
         lowering = "" if self.lowering == "auto" else f", lowering={self.lowering}"
         return f"pipeshard({self.schedule}, B={self.num_micro_batches}{slices}{lowering})"
 
@@ -152,7 +161,7 @@ class PipeshardParallel:
         if self.token_slices != 1:
             from autopar.pipeline.token_plan import plan_token_slices
 
-            token = plan_token_slices(planner, decision, self.token_slices)
+            token = plan_token_slices(planner, decision, self.token_slices, self._profile_devices(request))
         ids = request.device_ids or tuple(range(request.cluster.num_devices))
         plan = to_plan(decision, method_name=self.name, schedule=self.schedule, signature=request.signature,
                        cluster=planner.cluster, memory_budget_bytes=request.memory_budget_bytes, device_ids=ids,
@@ -162,6 +171,21 @@ class PipeshardParallel:
         planned = PipelinePlanned(plan, decision.traced, tuple(
             (d.layers, d.costs, d.device_ids, d.logical_mesh) for d in decision.stages), planner)
         return with_stage_kernels(planned, request) if token is None else planned
+
+    def _profile_devices(self, request: Any) -> Any:
+        """The devices to measure slice times on (profile=True), or None."""
+        if not self.profile:
+            return None
+        import jax
+
+        if request.devices is None:
+            raise ValueError("profile=True times the token slices on the devices the plan runs on, but this plan "
+                             "is for a cluster that is not here; plan with profile=False (the cost model) or on "
+                             "the devices themselves")
+        if jax.process_count() > 1:
+            raise ValueError("profile=True measures in one process; with several processes each would time "
+                             "alone and could choose different slicings: use profile=False")
+        return list(request.devices)
 
     def _plan_spmd(self, request: Any, planner: Any) -> Any:
         """The best SPMD pipeline (a SpmdPipelinePlan), or None where it does not apply
@@ -200,19 +224,15 @@ class PipeshardParallel:
         return with_stage_kernels(planned, request) if plan.pipeline.token_slices is None else planned
 
     def build(self, planned: Any, request: Any) -> Any:
-        from autopar.lower import build_mesh
         from autopar.pipeline.executable import PipeshardExecutable
-        from autopar.pipeline.stage import StagePrograms
+        from autopar.pipeline.stage import stage_programs
 
         if isinstance(planned, SpmdPlanned):
             from autopar.pipeline.spmd_executable import SpmdPipelineExecutable
 
             return SpmdPipelineExecutable(planned.plan, planned.tracer, request.devices, request.donate_argnums)
         devices = list(request.devices)
-        programs = [StagePrograms(layers, tuple(layouts), build_mesh([devices[i] for i in ids], shape),
-                                  planned.traced.num_micro_batches,
-                                  kernels=planned.kernels[k] if planned.kernels else ())
-                    for k, (layers, layouts, ids, shape) in enumerate(planned.stages)]
+        programs = stage_programs(planned.stages, devices, planned.traced.num_micro_batches, planned.kernels)
         return PipeshardExecutable(planned.plan, planned.traced, programs, devices, tracer=planned.planner.tracer)
 
 

@@ -350,3 +350,14 @@ class StagePrograms:
 
 def _read(graph: OpGraph, env: dict[int, Any], v: int) -> Any:
     return env[v] if v in env else graph.literals[v]
+
+
+def stage_programs(stages: Sequence[tuple], devices: Sequence[Any], num_micro_batches: int,
+                   kernels: Sequence[tuple] = ()) -> list[StagePrograms]:
+    """The programs of planned stages, each given as (layers, layer layouts, indices into
+    `devices`, logical mesh shape), on their devices."""
+    from autopar.lower import build_mesh
+
+    return [StagePrograms(layers, tuple(layouts), build_mesh([devices[i] for i in ids], shape), num_micro_batches,
+                          kernels=kernels[k] if kernels else ())
+            for k, (layers, layouts, ids, shape) in enumerate(stages)]

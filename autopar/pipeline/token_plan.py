@@ -11,6 +11,7 @@ from autopar.attention import AttentionCall, attention_calls
 from autopar.pipeline.planner import PipelineDecision
 from autopar.pipeline.token_eval import Slice, check_sliceable, sized_loss
 from autopar.pipeline.token_cost import StageSliceCost, attention_marked_loss, item_time_s, stage_slice_cost
+from autopar.pipeline.token_profile import MeasuredSliceCost, profile_lengths, profile_stage
 from autopar.pipeline.token_dp import (cost_table, granularity_for, item_depth, latency_s, token_dp,
                                        uniform_lengths)
 from autopar.plan import TokenSlicing
@@ -59,10 +60,11 @@ def stage_slice_costs(planner: Any, decision: PipelineDecision, seq_len: int) ->
 
 @dataclass(frozen=True)
 class TokenPlan:
-    """The chosen slicing and the slice costs of the stages it was priced on."""
+    """The chosen slicing and the slice costs of the stages it was priced on (modelled,
+    or measured with profile=True)."""
 
     slicing: TokenSlicing
-    stage_costs: tuple[StageSliceCost, ...]
+    stage_costs: tuple[StageSliceCost | MeasuredSliceCost, ...]
     forward_fraction: tuple[float, ...]         # per stage: forward time / (forward + backward)
 
     def task_s(self, stage: int, kind: str):
@@ -77,18 +79,41 @@ class TokenPlan:
         return time_s
 
 
-def plan_token_slices(planner: Any, decision: PipelineDecision, token_slices: Any) -> TokenPlan:
+def measured_stage_costs(planner: Any, decision: PipelineDecision, devices: Sequence[Any], seq_len: int,
+                         sizes: Sequence[int], lengths: Sequence[int]) -> list[MeasuredSliceCost]:
+    """Every stage's slice times measured on its devices (`token_profile`), for micro-batches
+    of each of `sizes` sequences and slices of each of `lengths` tokens."""
+    from autopar.pipeline.stage import stage_programs
+    from autopar.pipeline.token_runtime import TokenStage
+
+    traced = decision.traced
+    reference = sized_loss(traced, seq_len)
+    total = traced.micro_batch_size * decision.num_micro_batches
+    losses = {b: reference if b == traced.micro_batch_size else
+              sized_loss(planner.tracer.at(total // b), seq_len, reference.graph) for b in sizes}
+    programs = stage_programs([(d.layers, d.costs, d.device_ids, d.logical_mesh) for d in decision.stages],
+                              devices, decision.num_micro_batches)
+    return [profile_stage(TokenStage(p, losses, seq_len), sorted(sizes), sorted(set(lengths))) for p in programs]
+
+
+def plan_token_slices(planner: Any, decision: PipelineDecision, token_slices: Any,
+                      devices: Sequence[Any] | None = None) -> TokenPlan:
     """Token slices for the decision's stages: `token_slices` an int (equal slices), a list
     of lengths, or "auto" (TeraPipe's DP over slicings and batch splits into micro-batches
     no larger than the planned one, so that every stage's memory plan still holds, and
-    dividing the batch, so that the step traces on them)."""
+    dividing the batch, so that the step traces on them). With `devices` (profile=True)
+    the slices are priced from times measured on them, else by the cost model."""
     traced = decision.traced
     T = sequence_length(attention_calls(traced.loss_jaxpr), token_slices)
     if token_slices != "auto":
         lengths = requested_lengths(token_slices, T)
     check_sliceable(sized_loss(traced, T), Slice(T // 2, T - T // 2, T) if T > 1 else Slice(0, 1, 1))
     b0, B = traced.micro_batch_size, decision.num_micro_batches
-    costs = stage_slice_costs(planner, decision, T)
+    g = granularity_for(T, MAX_UNITS)
+    sizes = [b for b in range(1, b0 + 1) if (B * b0) % b == 0] if token_slices == "auto" else [b0]
+    costs = stage_slice_costs(planner, decision, T) if devices is None else \
+        measured_stage_costs(planner, decision, devices, T, sizes,
+                             profile_lengths(T, g) if token_slices == "auto" else (*lengths, T))
     depth = item_depth([float(s.time_s(b0, T, 0)) for s in costs])
     update_s = sum(d.cost.iteration_s for d in decision.stages)
 
@@ -101,15 +126,15 @@ def plan_token_slices(planner: Any, decision: PipelineDecision, token_slices: An
 
     unsliced = schedule_s([b0] * B, [(T,)] * B)
     if token_slices == "auto":
-        g = granularity_for(T, MAX_UNITS)
-        tables = {b: cost_table(lambda l, c, b=b: item_time_s(costs, b, l, c), T, g)
-                  for b in range(1, b0 + 1) if (B * b0) % b == 0}
+        tables = {b: cost_table(lambda l, c, b=b: item_time_s(costs, b, l, c), T, g) for b in sizes}
         best = token_dp(tables, B * b0, depth, granularity=g)
         sizes, slices, tried = best.micro_batch_sizes, best.slices, best.bounds_tried
     else:
         sizes, slices, tried = (b0,) * B, (lengths,) * B, 0
     slicing = TokenSlicing(seq_len=T, micro_batch_sizes=tuple(sizes), slices=tuple(tuple(s) for s in slices),
-                           predicted_step_s=schedule_s(sizes, slices), unsliced_step_s=unsliced, bounds_tried=tried)
-    fractions = tuple(d.cost.forward_s / d.cost.micro_batch_s if d.cost.micro_batch_s > 0 else 0.5
-                      for d in decision.stages)
+                           predicted_step_s=schedule_s(sizes, slices), unsliced_step_s=unsliced, bounds_tried=tried,
+                           slice_times="model" if devices is None else "measured")
+    fractions = tuple(c.forward_fraction if isinstance(c, MeasuredSliceCost) else
+                      d.cost.forward_s / d.cost.micro_batch_s if d.cost.micro_batch_s > 0 else 0.5
+                      for c, d in zip(costs, decision.stages))
     return TokenPlan(slicing=slicing, stage_costs=tuple(costs), forward_fraction=fractions)
