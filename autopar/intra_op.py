@@ -35,11 +35,11 @@ class MemoryBudgetError(ValueError):
     """No sharding fits the per-device memory budget."""
 
     def __init__(self, budget_bytes: float, min_bytes: float, mesh_shape: tuple[int, int], remat_on: bool = False,
-                 what: str | None = None):
+                 what: str | None = None, advice: str | None = None):
         self.budget_bytes, self.min_bytes = budget_bytes, min_bytes
         where = what or f"no sharding on mesh {mesh_shape[0]}x{mesh_shape[1]}"
-        advice = ("Raise memory_budget or use more devices (rematerialization is already on)" if remat_on else
-                  "Raise memory_budget, use more devices, or turn rematerialization on (remat='auto')")
+        advice = advice or ("Raise memory_budget or use more devices (rematerialization is already on)" if remat_on
+                            else "Raise memory_budget, use more devices, or turn rematerialization on (remat='auto')")
         super().__init__(
             f"{where} fits the memory budget of {budget_bytes / 2**20:.1f} MiB per device; the smallest budget "
             f"that fits is about {min_bytes / 2**20:.1f} MiB ({int(math.ceil(min_bytes))} bytes). {advice}.")

@@ -274,3 +274,14 @@ def test_slice_programs_compile_ahead_of_time():
     (p1, _), loss = pstep(state, batch)
     (p2, _), ref = jax.jit(step)(state, batch)
     _assert_close(loss, ref)
+
+
+def test_a_budget_too_small_for_whole_sequences_says_what_slicing_does_not_save():
+    from autopar.intra_op import MemoryBudgetError
+
+    opt, state, batch = _setup()
+    step = make_step(opt, closure=True, markers=True, attention=autopar.causal_attention)
+    with pytest.raises(MemoryBudgetError, match="planned for whole sequences, also with token_slices") as e:
+        autopar.make_plan(step, state, batch, cluster="2x4:a100-80g", memory_budget=1000,
+                          method=autopar.PipeshardParallel(num_micro_batches=2, num_stages=2, token_slices="auto"))
+    assert e.value.min_bytes > 1000

@@ -566,9 +566,15 @@ class PipelinePlanner:
                                  "cover the devices with these stages; change num_stages or submeshes") from None
             from autopar.intra_op import MemoryBudgetError
 
+            sliced = None
+            if self.method.token_slices != 1:
+                sliced = ("Stage memory is planned for whole sequences, also with token_slices (the slices' smaller "
+                          "working memory is not counted yet): raise memory_budget, use more devices or shorter "
+                          "sequences (rematerialization is already on)")
             raise MemoryBudgetError(self.memory_limit_bytes, need, (1, self.cluster.num_devices), remat_on=True,
                                     what=f"no pipeline plan ({self.method.schedule}, micro-batches "
-                                         f"{'/'.join(map(str, Bs))}) with sharded parameters or remat") from None
+                                         f"{'/'.join(map(str, Bs))}) with sharded parameters or remat",
+                                    advice=sliced) from None
         cand, res = self.problem(*key), results[key]
         decision = self._decide(cand, res)
         search = {"micro_batch_candidates": tuple(Bs), "micro_batch_evaluated": tuple(sorted({k[0] for k in priced})),
