@@ -46,17 +46,17 @@ def test_causal_attention_is_plain_causal_attention_and_takes_context():
 
 
 # --- numerics -------------------------------------------------------------------------
-@pytest.mark.parametrize("stages,slices,schedule,B", [
-    (2, 2, "1f1b", 1),
-    (2, [3, 5], "gpipe", 2),
-    (4, 4, "gpipe", 1),
-    (4, [2, 1, 4, 1], "1f1b", 2),
+@pytest.mark.parametrize("stages,slices,schedule,B,profile", [
+    (2, 2, "1f1b", 1, True),        # slices priced from times measured here (tests/test_token_profile.py)
+    (2, [3, 5], "gpipe", 2, False),
+    (4, 4, "gpipe", 1, False),
+    (4, [2, 1, 4, 1], "1f1b", 2, False),
 ])
-def test_token_pipeline_equals_one_device(stages, slices, schedule, B):
+def test_token_pipeline_equals_one_device(stages, slices, schedule, B, profile):
     opt, state, batch = _setup()
     step = make_step(opt, closure=True, markers=True, attention=autopar.causal_attention)
     pstep = autopar.parallelize(step, method=autopar.PipeshardParallel(
-        num_micro_batches=B, num_stages=stages, schedule=schedule, token_slices=slices))
+        num_micro_batches=B, num_stages=stages, schedule=schedule, token_slices=slices, profile=profile))
     (p1, _), loss = pstep(state, batch)
     (p2, _), ref = jax.jit(step)(state, batch)
     _assert_close(loss, ref)
@@ -64,6 +64,8 @@ def test_token_pipeline_equals_one_device(stages, slices, schedule, B):
     plan = pstep.plan
     want = list(slices) if isinstance(slices, list) else [SEQ // slices] * slices
     assert [list(s) for s in plan.pipeline.token_slices.slices] == [want] * B
+    kind = "measured" if profile else "model"
+    assert plan.pipeline.token_slices.slice_times == kind and f"{kind} slice times" in plan.summary()
     run = _executable(pstep, state, batch).last_run
     # every (micro-batch, slice) ran forward and backward on every stage, backwards in reverse slice order
     for s in range(stages):
