@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from autopar.kernel_sites import Site, kernel_tasks, search_task, site_task
+from autopar.kernel_sites import Site, kernel_tasks, search_task
 from autopar.plan import KernelUse
 from autopar.sharding_spec import to_partition_spec
 
@@ -143,7 +143,7 @@ def choose_group_kernels(groups: Sequence[SiteGroup], mode: str, trials: int, db
     notes = _Notes()
 
     def all_on_xla(reason: str) -> list[ChosenKernels]:
-        return [ChosenKernels(uses=tuple(KernelUse(op=s.op, workload_key=site_task(s).workload_key, used=False,
+        return [ChosenKernels(uses=tuple(KernelUse(op=s.op, workload_key=s.task().workload_key, used=False,
                                                    reason=reason, layer=g.layer) for s in g.sites), kernels={})
                 for g in groups]
 
@@ -201,7 +201,7 @@ def _decide(group: SiteGroup, built: dict[str, Any], database: Any, target: str,
     (measured once per local op and machine, then read from the DB) with XLA's result."""
     uses, kernels = [], {}
     for s in group.sites:
-        key = site_task(s).workload_key
+        key = s.task().workload_key
         kernel = built.get(key)
         if kernel is None:
             uses.append(KernelUse(op=s.op, workload_key=key, used=False, reason="no tuned schedule", layer=group.layer))

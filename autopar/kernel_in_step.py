@@ -15,7 +15,6 @@ from typing import Any, Callable, Sequence
 import jax
 
 from autopar.kernel_choice import ChosenKernels, interleaved_best_s
-from autopar.kernel_sites import site_task
 
 PROFILE_KIND = "kernel_in_step"
 MARGIN = 0.02          # a kernel set must beat the current step by 2%: step times here vary by 1-5% run to run
@@ -33,7 +32,7 @@ def step_times(build: Callable[[ChosenKernels | None], Callable[..., Any]], args
 
 def subset(chosen: ChosenKernels, keys: set[str]) -> ChosenKernels:
     """`chosen` with kernels only for the sites of the tasks in `keys`."""
-    kernels = {op: k for op, k in chosen.kernels.items() if site_task(chosen.sites[op]).workload_key in keys}
+    kernels = {op: k for op, k in chosen.kernels.items() if chosen.sites[op].task().workload_key in keys}
     return replace(chosen, kernels=kernels, sites={op: chosen.sites[op] for op in kernels})
 
 
@@ -80,7 +79,7 @@ def confirm_in_step(chosen: ChosenKernels, build: Callable[[ChosenKernels | None
 
 
 def _profile_key(chosen: ChosenKernels, context: str) -> str:
-    parts = sorted(f"{op}:{site_task(chosen.sites[op]).workload_key}:{k.schedule!r}"
+    parts = sorted(f"{op}:{chosen.sites[op].task().workload_key}:{k.schedule!r}"
                    for op, k in chosen.kernels.items())
     return hashlib.sha256("|".join([context, *parts]).encode()).hexdigest()
 

@@ -32,22 +32,29 @@ from rockmate.graph import OpGraph
 
 
 @dataclass(frozen=True)
-class MatmulSite:
-    """One dot_general served as a local [B, M, K] x [B, K, N] (batched) matmul on every device."""
+class SiteOperands:
+    """What every site has: its op, and the local shape and layout of its two operands and
+    its output on each device."""
 
     op: int
-    lhs_perm: tuple[int, ...]          # lhs transposed to (batch..., free..., contracting...)
-    rhs_perm: tuple[int, ...]          # rhs transposed to (batch..., contracting..., free...)
-    B: int | None                      # None: no batch dimensions (a plain matmul)
-    M: int
-    N: int
-    K: int
     lhs_local: tuple[int, ...]
     rhs_local: tuple[int, ...]
     out_local: tuple[int, ...]
     lhs_spec: DimSharding
     rhs_spec: DimSharding
     out_spec: DimSharding
+
+
+@dataclass(frozen=True)
+class MatmulSite(SiteOperands):
+    """One dot_general served as a local [B, M, K] x [B, K, N] (batched) matmul on every device."""
+
+    lhs_perm: tuple[int, ...]          # lhs transposed to (batch..., free..., contracting...)
+    rhs_perm: tuple[int, ...]          # rhs transposed to (batch..., contracting..., free...)
+    B: int | None                      # None: no batch dimensions (a plain matmul)
+    M: int
+    N: int
+    K: int
 
     def task(self) -> Any:
         """The search task of the local (batched) matmul."""
@@ -71,10 +78,9 @@ class MatmulSite:
 
 
 @dataclass(frozen=True)
-class ConvSite:
+class ConvSite(SiteOperands):
     """One conv_general_dilated served as a local NHWC x HWIO conv2d on every device."""
 
-    op: int
     lhs_perm: tuple[int, ...]          # lhs transposed to NHWC
     rhs_perm: tuple[int, ...]          # rhs transposed to HWIO
     out_perm: tuple[int, ...]          # the kernel's NHWC output transposed to the op's layout
@@ -87,12 +93,6 @@ class ConvSite:
     KW: int
     stride: int
     pad: int
-    lhs_local: tuple[int, ...]
-    rhs_local: tuple[int, ...]
-    out_local: tuple[int, ...]
-    lhs_spec: DimSharding
-    rhs_spec: DimSharding
-    out_spec: DimSharding
 
     def task(self) -> Any:
         from search import Task
@@ -202,15 +202,11 @@ def matmul_sites(graph: OpGraph, var_specs: dict[int, DimSharding], mesh_shape: 
     return sites
 
 
-def site_task(site: Site) -> Any:
-    """The search task of a site's local op."""
-    return site.task()
-
-
 def kernel_tasks(sites: list[Site]) -> tuple[KernelTask, ...]:
     """The distinct search tasks of `sites`, each with how many sites it serves, largest first."""
-    tasks = {t.workload_key: t for t in map(site_task, sites)}
-    counts = Counter(site_task(s).workload_key for s in sites)
+    every = [s.task() for s in sites]
+    tasks = {t.workload_key: t for t in every}
+    counts = Counter(t.workload_key for t in every)
     found = [KernelTask(workload_key=k, op=t.op, sizes=tuple((n, int(v)) for n, v in t.params), ops=counts[k])
              for k, t in tasks.items()]
     return tuple(sorted(found, key=lambda kt: (-tasks[kt.workload_key].flops * kt.ops, kt.workload_key)))

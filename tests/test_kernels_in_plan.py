@@ -13,7 +13,7 @@ import autopar
 import search.task_scheduler
 from autopar import kernel_choice, kernel_in_step
 from autopar.ffi_kernels import FfiShim
-from autopar.kernel_sites import ConvSite, kernel_sites, matmul_sites, site_task
+from autopar.kernel_sites import ConvSite, kernel_sites, matmul_sites
 from models import make
 from rockmate.graph import trace_graph
 
@@ -48,7 +48,7 @@ def planned(tmp_path_factory):
             plans[(model, mesh)] = exe.plan
             graph, sharding = exe.planned.graph, exe.planned.sharding
             for site in kernel_sites(graph, sharding.var_specs, sharding.mesh_shape):
-                t = site_task(site)
+                t = site.task()
                 tasks[t.workload_key] = t
     with autopar.TuningDB(path) as database:
         database.add_many(TuningRecord(workload_key=k, task=t.to_dict(), target_key=backend.target_key(),
@@ -194,7 +194,7 @@ def test_attention_products_are_batched_matmul_sites():
     step, state, batch = make("gpt", "sgd")
     graph = trace_graph(step, state, batch)
     bm = [s for s in matmul_sites(graph, {}, (1, 1)) if s.B is not None]
-    assert bm and all(site_task(s).op == "batch_matmul" for s in bm)
+    assert bm and all(s.task().op == "batch_matmul" for s in bm)
     tokens = batch[0].shape
     heads = 2                                  # tests/models.py's GPT
     assert {s.B for s in bm} == {tokens[0] * heads}
@@ -254,7 +254,7 @@ def test_kernels_that_slow_the_step_are_not_kept(planned, monkeypatch, tmp_path)
 
     def only_one_task_helps(build, args, kwargs, a, b, rounds=1):
         calls.append((a, b))
-        keys = lambda c: set() if c is None else {site_task(s).workload_key for s in c.sites.values()}
+        keys = lambda c: set() if c is None else {s.task().workload_key for s in c.sites.values()}
         helps = sorted(keys(b))[0] if keys(b) else None
         # the step gets faster only with `helps` (the first task in sorted order), slower with any other
         cost = lambda c: 1.0 + 0.1 * len(keys(c) - {helps}) - (0.1 if helps in keys(c) else 0.0)
@@ -322,7 +322,7 @@ def test_plan_lists_kernel_tasks_and_tune_plan_fills_the_db(tmp_path, capsys, mo
     sites = matmul_sites(pstep._executable((state, batch), {}).planned.graph, {}, (1, 1))
     tasks = plan.stages[0].kernel_tasks
     assert sum(kt.ops for kt in tasks) == len(sites)
-    assert {kt.workload_key for kt in tasks} == {site_task(s).workload_key for s in sites}
+    assert {kt.workload_key for kt in tasks} == {s.task().workload_key for s in sites}
     assert "autopar tune --plan" in plan.summary()
     plan_file, db = tmp_path / "plan.json", str(tmp_path / "tuning.db")
     plan.save(plan_file)

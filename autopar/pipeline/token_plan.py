@@ -84,13 +84,9 @@ def measured_stage_costs(planner: Any, decision: PipelineDecision, devices: Sequ
     """Every stage's slice times measured on its devices (`token_profile`), for micro-batches
     of each of `sizes` sequences and slices of each of `lengths` tokens."""
     from autopar.pipeline.stage import stage_programs
-    from autopar.pipeline.token_runtime import TokenStage
+    from autopar.pipeline.token_runtime import TokenStage, slice_losses
 
-    traced = decision.traced
-    reference = sized_loss(traced, seq_len)
-    total = traced.micro_batch_size * decision.num_micro_batches
-    losses = {b: reference if b == traced.micro_batch_size else
-              sized_loss(planner.tracer.at(total // b), seq_len, reference.graph) for b in sizes}
+    losses = slice_losses(planner.tracer, decision.traced, seq_len, sizes)
     programs = stage_programs([(d.layers, d.costs, d.device_ids, d.logical_mesh) for d in decision.stages],
                               devices, decision.num_micro_batches)
     return [profile_stage(TokenStage(p, losses, seq_len), sorted(sizes), sorted(set(lengths))) for p in programs]

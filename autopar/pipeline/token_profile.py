@@ -118,7 +118,7 @@ def measure_slice(stage: Any, batch: int, length: int, context: int, repeats: in
     seq = Slice(context, length, T)
     params, batch_in, acts, ctx = stage.abstract_args(batch, seq, (context,) if context else ())
     params, batch_in, acts, ctx = (_zeros(x) for x in (params, batch_in, acts, ctx))
-    fwd, forward_s = _best_of(lambda: stage._forward(batch, seq, params, batch_in, acts, ctx), repeats)
+    fwd, forward_s = _best_of(lambda: stage.forward(batch, seq, params, batch_in, acts, ctx), repeats)
     f_outs, _, kv, kept = fwd
     _, backward_s = _best_of(lambda: stage.backward(batch, seq, params, kept, (f_outs, kv)), repeats)
     return SliceSample(batch=batch, length=length, context=context, forward_s=forward_s, backward_s=backward_s)

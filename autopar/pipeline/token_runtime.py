@@ -150,6 +150,20 @@ def _check_slicing(sl: TokenSlicing, traced: TracedStep) -> None:
         raise PlanFileError("the plan's token slicing does not fit this step: " + "; ".join(problems) + "; re-plan")
 
 
+def slice_losses(tracer: StepTracer, traced: TracedStep, seq_len: int, sizes: Sequence[int]) -> dict[int, SizedLoss]:
+    """The loss for micro-batches of each of `sizes` sequences (the traced step's own size
+    and one trace per other size), ready to run on token slices."""
+    N = traced.micro_batch_size * traced.num_micro_batches
+    reference = sized_loss(traced, seq_len)
+    losses = {traced.micro_batch_size: reference}
+    for b in sorted(set(sizes)):
+        if b not in losses:
+            if N % b:
+                raise TokenSliceError(f"micro-batches of {b} sequences do not divide the batch of {N}")
+            losses[b] = sized_loss(tracer.at(N // b), seq_len, reference.graph)
+    return losses
+
+
 def _nbytes(tree: Any, exclude: set[int]) -> int:
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "nbytes") and id(x) not in exclude)
 
@@ -163,15 +177,8 @@ class TokenPipelineRuntime:
         self.programs = list(programs)
         self.slicing = slicing
         T = slicing.seq_len
-        N = sum(slicing.micro_batch_sizes)
         _check_slicing(slicing, traced)
-        reference = sized_loss(traced, T)
-        losses = {traced.micro_batch_size: reference}
-        for b in sorted(set(slicing.micro_batch_sizes)):
-            if b not in losses:
-                if N % b:
-                    raise TokenSliceError(f"micro-batches of {b} sequences do not divide the batch of {N}")
-                losses[b] = sized_loss(tracer.at(N // b), T, reference.graph)
+        losses = slice_losses(tracer, traced, T, slicing.micro_batch_sizes)
         first = slicing.slices[0]
         for loss in losses.values():
             check_sliceable(loss, Slice(first[0] if len(first) > 1 else 0, first[-1], T))
