@@ -65,9 +65,55 @@ def _single_memory(compiled: Any) -> float:
     return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
+@dataclass(frozen=True)
+class SliceWorkingCheck:
+    """One stage of a token-sliced pipeline: the working memory per device the plan
+    predicts on its longest slice, against XLA's temp memory for that slice's forward and
+    backward (the last such slice of its sequence: the most context)."""
+
+    stage: int
+    slice_tokens: int
+    context_tokens: int
+    predicted_bytes: float
+    compiled_bytes: float
+
+    @property
+    def ratio(self) -> float:
+        """predicted / compiled working memory."""
+        return self.predicted_bytes / self.compiled_bytes if self.compiled_bytes else float("nan")
+
+
+def check_slice_working(exe: Any, stages: Sequence[int] | None = None) -> list[SliceWorkingCheck]:
+    """Compile each stage's (or the given stages') programs for the plan's longest token
+    slice (from abstract inputs) and compare their temp memory with the plan's working
+    memory."""
+    from autopar.pipeline.token_eval import Slice
+
+    plan: Plan = exe.plan
+    sl = plan.pipeline.token_slices if plan.pipeline is not None else None
+    if sl is None:
+        raise ValueError("check_slice_working needs a token-sliced pipeline plan (token_slices != 1); "
+                         "use check_executable for other plans")
+    m = max(range(len(sl.slices)), key=lambda k: max(sl.slices[k]) * sl.micro_batch_sizes[k])
+    lengths, size = sl.slices[m], sl.micro_batch_sizes[m]
+    i = max(k for k, l in enumerate(lengths) if l == max(lengths))
+    seq = Slice(int(sum(lengths[:i])), int(lengths[i]), sl.seq_len)
+    out = []
+    for s, (st, ts) in enumerate(zip(plan.stages, exe.runtime.stages)):
+        if stages is not None and s not in stages:
+            continue
+        options = exe.programs[s].compiler_options
+        temps = [low.compile(options).memory_analysis().temp_size_in_bytes for low in ts.lower(size, seq, lengths[:i])]
+        out.append(SliceWorkingCheck(s, seq.length, seq.offset, st.working_bytes, float(max(temps))))
+    return out
+
+
 def check_executable(exe: Any, args: Sequence[Any], kwargs: dict | None = None) -> list[StageCheck]:
     """Compile `exe`'s programs (from abstract inputs) and compare with its plan."""
     plan: Plan = exe.plan
+    if plan.pipeline is not None and plan.pipeline.token_slices is not None:
+        raise ValueError("a token-sliced pipeline runs one program per slice: compare its working memory with "
+                         "check_slice_working (its whole-stage memory check is not built)")
     compiled = exe.lower(*args, **(kwargs or {})).compile()
     out = []
     if plan.pipeline is None:
@@ -128,6 +174,14 @@ def check_plan(fun: Callable, *args: Any, plan: Plan, devices: Sequence[Any] | N
     """Build a saved or made plan on these devices (default: jax.devices(), e.g. simulated
     CPU devices standing in for the plan's cluster) and compare it with what XLA compiles.
     `args` may be ShapeDtypeStructs; nothing runs."""
+    exe, args = build_plan(fun, *args, plan=plan, devices=devices, batch_argnums=batch_argnums)
+    return check_executable(exe, args)
+
+
+def build_plan(fun: Callable, *args: Any, plan: Plan, devices: Sequence[Any] | None = None,
+               batch_argnums: Sequence[int] = (1,)) -> tuple[Any, tuple]:
+    """The executable of a saved or made plan on these devices (default: jax.devices())
+    and the arguments its programs take; `args` may be ShapeDtypeStructs, nothing runs."""
     import jax
 
     from autopar.api import Parallelized
@@ -140,8 +194,7 @@ def check_plan(fun: Callable, *args: Any, plan: Plan, devices: Sequence[Any] | N
                         batch_argnums=batch_argnums)
     from autopar.static_leaves import split_call
 
-    exe = step._executable(args, {})
-    return check_executable(exe, split_call(args, {}).args)
+    return step._executable(args, {}), split_call(args, {}).args
 
 
 def _on_devices(plan: Plan, devices: Sequence[Any]) -> Plan:

@@ -189,7 +189,8 @@ class TokenSlicing:
     micro_batch_sizes: tuple[int, ...]
     slices: tuple[tuple[int, ...], ...]          # per micro-batch
     predicted_step_s: float
-    unsliced_step_s: float                       # the same stages with whole sequences (same cost model)
+    unsliced_step_s: float | None                # the same stages with whole sequences (same cost model);
+                                                 # None: whole sequences do not fit their memory
     bounds_tried: int = 0
     slice_times: str = "model"                   # "model" (token_cost) or "measured" (profile=True)
 

@@ -103,7 +103,9 @@ def _pipeline_tables(con: Console, plan) -> None:
             groups.setdefault((b, tuple(sl)), []).append(b)
         shown = "; ".join(f"{len(v)} x {b} seqs in slices {list(sl)}" for (b, sl), v in groups.items())
         con.print(f"token slices (TeraPipe, {t.seq_len} tokens, {t.slice_times} slice times): {shown}; "
-                  f"predicted step {_fmt_s(t.predicted_step_s)} vs {_fmt_s(t.unsliced_step_s)} with whole sequences")
+                  f"predicted step {_fmt_s(t.predicted_step_s)} vs " +
+                  (f"{_fmt_s(t.unsliced_step_s)} with whole sequences" if t.unsliced_step_s is not None
+                   else "whole sequences, which do not fit these stages' memory"))
     if p.search is not None:
         s = p.search
         con.print(f"search: B candidates {list(s.micro_batch_candidates)}, priced {list(s.micro_batch_evaluated)}; "

@@ -15,11 +15,13 @@ num_micro_batches="auto" chooses for 1B, 13B and 44B anyway, in 57-102 s), and T
 DP then chooses the slicing; the remat option is the planner's ("auto"). Plus
 long-sequence variants of the 13B model (8k and 32k tokens) on 8 hosts of 8 H100s.
 
-Run: .venv/bin/python benchmarks/terapipe.py [--only NAME,...] [--cpu]
+Run: .venv/bin/python benchmarks/terapipe.py [--only NAME,...] [--cpu] [--check-stages 0,4]
 Prints a table and writes benchmarks/results/terapipe_<time>.json. --cpu instead runs the
 test GPT on this machine's 8 simulated devices, token pipeline vs micro-batch pipeline,
 slices priced by the cost model and by measured slice times (profile=True): each plan's
 predicted step, its measured step time and the first stage's peak residual bytes.
+--check-stages compiles those stages' programs for the plan's longest slice on simulated
+CPU devices and compares XLA's temp memory with the planned working memory.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ CASES = [
 ]
 
 
-def run_case(case: Case) -> dict:
+def run_case(case: Case, check_stages: tuple[int, ...] = ()) -> dict:
     import jax.numpy as jnp
 
     from autopar import model_zoo as mz
@@ -64,7 +66,8 @@ def run_case(case: Case) -> dict:
     from autopar.interface import PlanRequest
     from autopar.pipeline.method import PipeshardParallel
     from autopar.pipeline.record import to_plan
-    from autopar.pipeline.token_plan import plan_token_slices
+    from autopar.pipeline.token_dp import granularity_for
+    from autopar.pipeline.token_plan import MAX_UNITS, plan_token_slices, slice_caps, sliced_decision
 
     cfg = mz.GPTConfig(vocab=51200, seq=case.seq, hidden=case.hidden, heads=case.heads, layers=case.layers,
                        batch=case.batch, dtype=jnp.float16)
@@ -78,30 +81,51 @@ def run_case(case: Case) -> dict:
     planner = method._planner(request)
     decision = planner.plan()
     token = plan_token_slices(planner, decision, "auto")
+    decision = sliced_decision(decision, token.slicing)
     plan = to_plan(decision, method_name=method.name, schedule=method.schedule, signature=request.signature,
                    cluster=cluster, memory_budget_bytes=None, device_ids=tuple(range(cluster.num_devices)),
                    planning_s=time.perf_counter() - t0, token=token)
     planning_s = time.perf_counter() - t0
     sl = token.slicing
+    # uniform slicings of the planned micro-batches that fit the stages' memory
+    T, b0 = case.seq, decision.traced.micro_batch_size
+    g = granularity_for(T, MAX_UNITS)
+    longest = slice_caps(planner, decision, T, g, [b0])[b0] * g
     uniform = {}
     for k in (1, 2, 4, 8, 16, 32, 64, 128):
-        if k <= case.seq:
+        if k <= case.seq and -(-T // k) <= longest:
             uniform[k] = plan_token_slices(planner, decision, k).slicing.predicted_step_s
     best_k = min(uniform, key=uniform.get)
     flops = cfg.train_flops
+    whole = sl.unsliced_step_s
     return {
         "model": case.name, "device": case.device, "hosts": case.hosts, "seq": case.seq, "batch": case.batch,
         "planning_s": planning_s,
         "stages": len(plan.stages), "meshes": sorted({tuple(s.mesh_shape) for s in plan.stages}),
         "planned_micro_batches": decision.num_micro_batches,
-        "sliced_step_s": sl.predicted_step_s, "unsliced_step_s": sl.unsliced_step_s,
+        "stage_remat": sorted({s.remat.mode for s in plan.stages}),
+        "planned_slice_share": planner.slice_share, "longest_slice_fitting": longest,
+        "max_stage_memory_gib": max(s.memory_bytes for s in plan.stages) / 2**30,
+        "sliced_step_s": sl.predicted_step_s, "unsliced_step_s": whole,
         "uniform_step_s": uniform, "best_uniform_slices": best_k,
         "micro_batch_sizes": list(sl.micro_batch_sizes), "slices": [list(s) for s in sl.slices],
-        "speedup_over_unsliced": sl.unsliced_step_s / sl.predicted_step_s,
+        "speedup_over_unsliced": whole / sl.predicted_step_s if whole is not None else None,
         "speedup_over_best_uniform": uniform[best_k] / sl.predicted_step_s,
         "tflops_per_device_sliced": flops / sl.predicted_step_s / cluster.num_devices / 1e12,
         "dp_bounds_tried": sl.bounds_tried,
+        **({"slice_memory_check": check_memory(step, state, batch, plan, check_stages)} if check_stages else {}),
     }
+
+
+def check_memory(step, state, batch, plan, stages: tuple[int, ...]) -> list[dict]:
+    """The plan's working memory on its longest slice against XLA's temp memory for the
+    slice's programs, compiled from abstract inputs on simulated CPU devices."""
+    from dataclasses import asdict
+
+    from autopar.check import build_plan, check_slice_working
+
+    exe, _ = build_plan(step, state, batch, plan=plan)
+    return [{**asdict(c), "ratio": c.ratio} for c in check_slice_working(exe, stages)]
 
 
 CPU_VARIANTS = {"whole sequences": {"token_slices": 1},
@@ -156,7 +180,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help="configs by name, comma-separated, e.g. GPT3-175B")
     ap.add_argument("--cpu", action="store_true", help="measure the test GPT on 8 simulated CPU devices instead")
+    ap.add_argument("--check-stages", default="", help="stages (e.g. 0,4) whose longest-slice programs to compile "
+                    "on simulated CPU devices and compare with the planned working memory")
     args = ap.parse_args(argv)
+    check_stages = tuple(int(x) for x in args.check_stages.split(",") if x)
+    if check_stages:       # one simulated device per planned device, before jax starts
+        n = max(c.hosts * 8 for c in CASES if not args.only or c.name.lower() in args.only.lower().split(","))
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
     from autopar.intra_op import MemoryBudgetError
     out_dir = os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
@@ -178,9 +208,9 @@ def main(argv=None) -> int:
             if only and case.name.lower() not in only:
                 continue
             try:
-                rows.append(run_case(case))
+                rows.append(run_case(case, check_stages))
             except MemoryBudgetError as e:
-                # Recorded, not hidden: stage memory is planned for whole sequences first.
+                # recorded, not hidden
                 rows.append({"model": case.name, "device": case.device, "hosts": case.hosts, "seq": case.seq,
                              "batch": case.batch, "error": str(e), "min_budget_bytes": e.min_bytes})
             print(json.dumps(rows[-1]), flush=True)
@@ -189,12 +219,14 @@ def main(argv=None) -> int:
         for r in rows:
             if "error" in r:
                 print(f"| {r['model']} | {r['hosts']}x8 {r['device']} | {r['seq']} | {r['batch']} | no plan: "
-                      f"needs {r['min_budget_bytes'] / 2**30:.0f} GiB per device for whole sequences |")
+                      f"needs {r['min_budget_bytes'] / 2**30:.0f} GiB per device |")
                 continue
             k = r["best_uniform_slices"]
+            whole = "does not fit" if r["unsliced_step_s"] is None else f"{r['unsliced_step_s']:.3f}"
+            x_whole = "-" if r["speedup_over_unsliced"] is None else f"{r['speedup_over_unsliced']:.2f}"
             print(f"| {r['model']} | {r['hosts']}x8 {r['device']} | {r['seq']} | {r['batch']} | "
-                  f"{r['sliced_step_s']:.3f} | {r['unsliced_step_s']:.3f} | {r['uniform_step_s'][k]:.3f} ({k}) | "
-                  f"{r['speedup_over_unsliced']:.2f} | {r['speedup_over_best_uniform']:.3f} | "
+                  f"{r['sliced_step_s']:.3f} | {whole} | {r['uniform_step_s'][k]:.3f} ({k}) | "
+                  f"{x_whole} | {r['speedup_over_best_uniform']:.3f} | "
                   f"{len(r['micro_batch_sizes'])}x{r['micro_batch_sizes'][0]}, {len(r['slices'][0])} slices | "
                   f"{r['planning_s']:.0f} |")
         path = os.path.join(out_dir, f"terapipe_{int(time.time())}.json")

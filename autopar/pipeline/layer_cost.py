@@ -10,14 +10,41 @@ output is charged its reshard from the layout the next layer returns it in.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Container
+from typing import Any, Callable, Container, Sequence
 
 from autopar.cluster import LogicalMesh
 from autopar.intra_op import IDENTITY_PRIMITIVES, MemoryBudgetError, ShardingPlan, live_ops, plan_sharding
 from autopar.pipeline.layer_graph import LayerGraph
 from autopar.sharding_costs import ShardingCosts
 from autopar.sharding_spec import Collective, DimSharding, all_layouts, shard_factor
-from rockmate.graph.fusion import liveness_peak, materialized
+from rockmate.graph.fusion import liveness_levels, materialized
+
+
+@dataclass(frozen=True)
+class WorkingMemory:
+    """A program's working memory on a share of the sequence's positions (a token slice):
+    max over the program's points k of fixed[k] + share * per_position[k]. Points that
+    another point exceeds at every share are dropped."""
+
+    fixed: tuple[float, ...]
+    per_position: tuple[float, ...]
+
+    def bytes_at(self, share: float = 1.0) -> float:
+        return max((f + share * p for f, p in zip(self.fixed, self.per_position)), default=0.0)
+
+    @property
+    def whole(self) -> float:
+        """On whole sequences."""
+        return self.bytes_at(1.0)
+
+    @staticmethod
+    def from_levels(fixed: Sequence[float], per_position: Sequence[float]) -> "WorkingMemory":
+        """From the fixed and per-position bytes alive at each point of a program."""
+        kept: list[tuple[float, float]] = []
+        for f, p in sorted(zip(fixed, per_position), key=lambda x: (-x[1], -x[0])):
+            if not kept or f > kept[-1][0]:     # beats every point with more per-position bytes at share 0
+                kept.append((f, p))
+        return WorkingMemory(fixed=tuple(f for f, _ in kept), per_position=tuple(p for _, p in kept))
 
 
 @dataclass(frozen=True)
@@ -30,8 +57,16 @@ class LayerCost:
     forward_s: float                    # the part of it spent in forward ops
     residual_bytes: float               # kept per micro-batch in flight
     param_bytes: tuple[float, ...]      # per param input, in its layout
-    forward_peak_bytes: float           # transient working memory of the forward
-    backward_peak_bytes: float          # ... and of the backward
+    forward_working: "WorkingMemory"    # transient working memory of the forward
+    backward_working: "WorkingMemory"   # ... and of the backward
+
+    @property
+    def forward_peak_bytes(self) -> float:
+        return self.forward_working.whole
+
+    @property
+    def backward_peak_bytes(self) -> float:
+        return self.backward_working.whole
 
     @property
     def var_specs(self) -> dict[int, DimSharding]:
@@ -137,38 +172,47 @@ def layer_cost(lg: LayerGraph, mesh: LogicalMesh, plan: ShardingPlan) -> LayerCo
     # an operand read in another layout than it lives in is copied for its reader (e.g. a
     # sharded parameter gathered whole): that copy is alive while the reader runs
     copies: dict[int, float] = {}
+    position_copies: dict[int, float] = {}
     for op, v, spec in plan.resharded:
-        copies[op] = copies.get(op, 0.0) + g.vars[v].nbytes / shard_factor(spec, ms)
-    fwd_peak, bwd_peak = working_peaks(lg, size, copies)
+        into = position_copies if v in lg.per_position_vars else copies
+        into[op] = into.get(op, 0.0) + g.vars[v].nbytes / shard_factor(spec, ms)
+    fwd, bwd = working_memory(lg, size, copies, position_copies)
     fwd_s = sum(_op_time(plan, i) for i in range(lg.num_forward_ops))
-    return LayerCost(ms, plan, plan.objective_s, min(fwd_s, plan.objective_s),
-                     sum(size(v) for v in lg.residuals), tuple(size(v) for v in lg.param_vars),
-                     fwd_peak, bwd_peak)
+    return LayerCost(mesh_shape=ms, plan=plan, time_s=plan.objective_s, forward_s=min(fwd_s, plan.objective_s),
+                     residual_bytes=sum(size(v) for v in lg.residuals),
+                     param_bytes=tuple(size(v) for v in lg.param_vars), forward_working=fwd, backward_working=bwd)
 
 
-def working_peaks(lg: LayerGraph, size: Callable[[int], float],
-                  transient: dict[int, float] | None = None) -> tuple[float, float]:
-    """Peak working memory of the layer's forward and of its backward, values sized by
-    `size`. The forward's residuals leave it (counted per micro-batch in flight); its
-    activation outputs and the backward's gradients are working memory until the next
-    layer takes them or they are added into the accumulators. `transient`: extra bytes
-    alive while an op runs."""
+def working_memory(lg: LayerGraph, size: Callable[[int], float], transient: dict[int, float] | None = None,
+                   transient_per_position: dict[int, float] | None = None) -> tuple[WorkingMemory, WorkingMemory]:
+    """Working memory of the layer's forward and of its backward, values sized by `size`,
+    split into what is fixed and what shrinks with a token slice (`per_position_vars`).
+    The forward's residuals leave it (counted per micro-batch in flight); its activation
+    outputs and the backward's gradients are working memory until the next layer takes
+    them or they are added into the accumulators. `transient`: extra bytes alive while
+    an op runs (copies of operands), fixed or `transient_per_position`."""
     g = lg.graph
     residual = set(lg.residuals)
     keep = materialized(g, residual)
     outs = set(g.outvars)
     nf = lg.num_forward_ops
-    fwd = liveness_peak(g, range(nf), size, live_out=residual | outs,
-                        count=lambda v: v in keep and v not in residual, transient=transient)
-    bwd = liveness_peak(g, range(nf, len(g.ops)), size, live_out=outs, count=lambda v: v in keep,
-                        transient=transient)
-    return fwd, bwd
+    tok = lg.per_position_vars
+    out = []
+    for ops, live_out, counted in ((range(nf), residual | outs, lambda v: v in keep and v not in residual),
+                                   (range(nf, len(g.ops)), outs, lambda v: v in keep)):
+        fixed, per_position = (liveness_levels(g, ops, size, live_out=live_out,
+                                               count=lambda v, t=t: counted(v) and (v in tok) == t,
+                                               transient=transient_per_position if t else transient)
+                                for t in (False, True))
+        out.append(WorkingMemory.from_levels(fixed, per_position))
+    return out[0], out[1]
 
 
-def global_working_bytes(lg: LayerGraph) -> float:
-    """The layer's working memory (the larger of `working_peaks`) at unsharded sizes: over
-    a mesh of n devices, at least this / n is live on some device whatever the layouts."""
-    return float(max(working_peaks(lg, lambda v: lg.graph.vars[v].nbytes)))
+def global_working_bytes(lg: LayerGraph, share: float = 1.0) -> float:
+    """The layer's working memory (the larger of `working_memory`) at unsharded sizes, on
+    `share` of the sequence's positions: over a mesh of n devices, at least this / n is
+    live on some device whatever the layouts."""
+    return float(max(w.bytes_at(share) for w in working_memory(lg, lambda v: lg.graph.vars[v].nbytes)))
 
 
 def _op_time(plan: ShardingPlan, index: int) -> float:

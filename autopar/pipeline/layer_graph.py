@@ -108,6 +108,25 @@ class LayerGraph:
         return float(sum(self.graph.vars[v].nbytes for v in self.residuals))
 
     @cached_property
+    def per_position_vars(self) -> frozenset[int]:
+        """Vars holding values per token position, which shrink on a token slice: computed
+        from the batch, the activations or the cotangents, and not shaped like a parameter
+        (up to axis order and unit axes; parameter gradients and their partial sums are
+        sums over the positions). A per-position value shaped like a parameter (a [T, d]
+        activation beside a [T, d] position table) counts as fixed: an overestimate."""
+        g = self.graph
+
+        def shape_key(v: int) -> tuple[int, ...]:
+            return tuple(sorted(d for d in g.vars[v].shape if d != 1))
+
+        params = {shape_key(v) for v in self.param_vars}
+        reached = {*self.batch_vars, *self.act_vars, *(v for v in self.ct_vars if v is not None)}
+        for op in g.ops:
+            if any(v in reached for v in op.inputs):
+                reached.update(op.outputs)
+        return frozenset(v for v in reached if g.vars[v].shape and shape_key(v) not in params)
+
+    @cached_property
     def backward_reads_params(self) -> tuple[int, ...]:
         """Param vars the backward reads (the backward program gets them as inputs)."""
         read = {v for op in self.graph.ops[self.num_forward_ops:] for v in op.inputs}

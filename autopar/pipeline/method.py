@@ -159,9 +159,10 @@ class PipeshardParallel:
         _check_loss_is_batch_mean(planner, decision.traced)
         token = None
         if self.token_slices != 1:
-            from autopar.pipeline.token_plan import plan_token_slices
+            from autopar.pipeline.token_plan import plan_token_slices, sliced_decision
 
             token = plan_token_slices(planner, decision, self.token_slices, self._profile_devices(request))
+            decision = sliced_decision(decision, token.slicing)
         ids = request.device_ids or tuple(range(request.cluster.num_devices))
         plan = to_plan(decision, method_name=self.name, schedule=self.schedule, signature=request.signature,
                        cluster=planner.cluster, memory_budget_bytes=request.memory_budget_bytes, device_ids=ids,

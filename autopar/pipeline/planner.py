@@ -14,6 +14,7 @@ Identical layers on one logical mesh are one ILP solve.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from autopar.attention import ATTENTION_CALL, attention_calls
 from autopar.cluster import Cluster, LogicalMesh
 from autopar.pipeline.layer_cost import LayerCost, LayerSolver, global_working_bytes
 from autopar.pipeline.layer_graph import LayerGraph, content_key, trace_layer
@@ -30,6 +32,7 @@ from autopar.pipeline.stage import StageCost, StageLayers, compose, stage_layers
 from autopar.pipeline.stage_dp import StageDPResult, lazy_stage_dp, stage_dp
 from autopar.pipeline.submesh import assign_devices, logical_mesh_shapes
 from autopar.pipeline.trace import StepTracer, TracedStep
+from rockmate.graph import graph_from_jaxpr
 
 REMAT_OPTIONS = ("none", "rockmate", "full")   # per stage: keep all, a rockmate schedule, checkpoint each layer
 PARAM_MODES = ("fast", "sharded")   # the layer ILP free, or with every parameter most sharded
@@ -167,6 +170,7 @@ class _Candidates:
         self.costs: dict[tuple, StageCost] = {}
         self._layers: dict[int, list[LayerGraph]] = {}
         self._working: dict[int, list[float]] = {}
+        self.context = np.asarray(planner.context_bytes(c, self.B))
         self.smaller = {(m, k): scaled_down_meshes(self.mesh(m, k), [(mm, kk, self.mesh(mm, kk)) for mm in range(M)
                                                                      for kk in range(len(self.logical[mm]))])
                         for m in range(M) for k in range(len(self.logical[m]))}
@@ -213,9 +217,12 @@ class _Candidates:
                              for l, key in enumerate(keys)])
         residual = self._residual_bytes(r)
         per_act = np.array([done[key].residual_bytes if key in done else b / n for key, b in zip(keys, residual)])
+        per_act = per_act + self.context / n
         per_weight = np.array(self.bounds.param_bytes) * (2 + self.planner.state_factor) / n
         c_time, c_act, c_w = (np.concatenate([[0.0], np.cumsum(x)]) for x in (per_time, per_act, per_weight))
         per_working = np.array(self._working_bytes(r)) / n
+        if self.planner.slice_share < 1:      # each layer's keys and values over the context, and their cotangents
+            per_working = per_working + 2 * self.context / n
         send = self.planner.send_s_per_byte(self.shapes[m])
         o = self.index(k, p, r)
         for i in range(L):
@@ -227,7 +234,8 @@ class _Candidates:
                         c = self.costs[(i, j, m, k, p, r)] = compose(
                             stage_layers(layers[i:j + 1], layers), [done[key] for key in keys[i:j + 1]], mesh,
                             state_bytes_per_param_byte=self.planner.state_factor, send_s_per_byte=send,
-                            reshard=self.planner.solver.costs.reshard)
+                            reshard=self.planner.solver.costs.reshard, share=self.planner.slice_share,
+                            context_bytes=tuple(self.context[i:j + 1] / n))
                     values = (c.micro_batch_s, c.iteration_s, c.weight_bytes, c.activation_bytes,
                               c.working_bytes, c.update_bytes)
                     self.priced[i, j, m, 0, o] = True
@@ -250,11 +258,12 @@ class _Candidates:
         return list(self.bounds.residual_bytes) if r == 0 else [0.0] * (len(self.cuts) - 1)
 
     def _working_bytes(self, r: int) -> list[float]:
-        """Per layer, its working memory at unsharded sizes once traced with option r, else 0."""
+        """Per layer, its working memory at unsharded sizes (on the planned token slices)
+        once traced with option r, else 0."""
         if r not in self._layers:
             return [0.0] * (len(self.cuts) - 1)
         if r not in self._working:
-            self._working[r] = [global_working_bytes(lg) for lg in self._layers[r]]
+            self._working[r] = [global_working_bytes(lg, self.planner.slice_share) for lg in self._layers[r]]
         return self._working[r]
 
     def _layer_bound(self, m: int, k: int, p: int, r: int, l: int) -> float:
@@ -376,6 +385,10 @@ class PipelinePlanner:
         self._bounds: dict[tuple[int, int], LayerBounds] = {}
         self._terms: dict[tuple[int, int], list] = {}
         self._cut_options: list[list[int]] | None = None
+        # token slices (TeraPipe): stage memory is planned with the working memory of the
+        # longest slice, this share of the sequence's positions (1: whole sequences)
+        self.slice_share = 1.0
+        self._context: dict[int, list[float]] = {}
 
     # --- layers ---------------------------------------------------------------------
     def layer_graphs(self, traced: TracedStep, cuts: Sequence[int], remat: str = "none") -> list[LayerGraph]:
@@ -541,7 +554,58 @@ class PipelinePlanner:
             self._problems[key] = _Candidates(self, B, c, shapes, S)
         return self._problems[key]
 
+    def context_bytes(self, c: int, B: int) -> list[float]:
+        """Per layer of the c-th layering, the global bytes of the keys and values its
+        `causal_attention` calls keep per micro-batch (of B) as the later token slices'
+        context; zeros without token slices."""
+        cuts = self.cut_options()[c]
+        if self.method.token_slices == 1:
+            return [0.0] * (len(cuts) - 1)
+        traced = self.tracer.at(self.micro_batch_candidates()[0])
+        if c not in self._context:
+            marked = graph_from_jaxpr(traced.loss_jaxpr, keep_custom_rules=True, mark_calls=ATTENTION_CALL)
+            layer = [0.0] * (len(cuts) - 1)
+            for m, (inputs, _) in marked.call_io.items():
+                first = min(op.index for op in marked.ops if op.mark == m)
+                layer[bisect.bisect_right(cuts, first) - 1] += sum(marked.vars[v].nbytes for v in inputs[1:3])
+            self._context[c] = [b / traced.micro_batch_size for b in layer]     # per sequence
+        size = traced.micro_batch_size * traced.num_micro_batches / B
+        return [b * size for b in self._context[c]]
+
+    def token_lengths(self) -> tuple[int, tuple[int, ...] | None]:
+        """The sequence length of the loss's `causal_attention` calls and the slice lengths
+        asked for (None: "auto")."""
+        from autopar.pipeline.token_plan import requested_lengths, sequence_length
+
+        traced = self.tracer.at(self.micro_batch_candidates()[0])
+        T = sequence_length(attention_calls(traced.loss_jaxpr), self.method.token_slices)
+        ts = self.method.token_slices
+        return T, None if ts == "auto" else requested_lengths(ts, T)
+
     def plan(self) -> PipelineDecision:
+        """The best pipeline. With token slices, stage memory is planned for the longest
+        slice asked for; with token_slices="auto" for whole sequences first and, if no
+        plan fits, for the shortest slices the token DP may cut (which it then keeps to
+        what fits, `token_plan.slice_caps`)."""
+        from autopar.intra_op import MemoryBudgetError
+
+        if self.method.token_slices == 1:
+            return self._plan()
+        T, lengths = self.token_lengths()
+        self.slice_share = 1.0 if lengths is None else max(lengths) / T
+        try:
+            return self._plan()
+        except MemoryBudgetError:
+            if lengths is not None:
+                raise
+        from autopar.pipeline.token_plan import MAX_UNITS
+        from autopar.pipeline.token_dp import granularity_for
+
+        self.slice_share = granularity_for(T, MAX_UNITS) / T
+        self._problems.clear()
+        return self._plan()
+
+    def _plan(self) -> PipelineDecision:
         Bs = self.micro_batch_candidates()
         cut_options = self.cut_options()
         _, num_stages, fixed = self._shapes()
@@ -568,9 +632,11 @@ class PipelinePlanner:
 
             sliced = None
             if self.method.token_slices != 1:
-                sliced = ("Stage memory is planned for whole sequences, also with token_slices (the slices' smaller "
-                          "working memory is not counted yet): raise memory_budget, use more devices or shorter "
-                          "sequences (rematerialization is already on)")
+                T, _ = self.token_lengths()
+                sliced = (f"Stage memory is planned for token slices of {round(self.slice_share * T)} of the "
+                          f"{T} tokens (their working memory) and whole sequences' residuals and keys and values "
+                          f"in flight: raise memory_budget, use more devices, shorter slices or shorter sequences "
+                          f"(rematerialization is already on)")
             raise MemoryBudgetError(self.memory_limit_bytes, need, (1, self.cluster.num_devices), remat_on=True,
                                     what=f"no pipeline plan ({self.method.schedule}, micro-batches "
                                          f"{'/'.join(map(str, Bs))}) with sharded parameters or remat",

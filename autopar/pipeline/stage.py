@@ -42,6 +42,7 @@ class StageCost:
     reshard_s: float = 0.0
     send_s: float = 0.0                 # activations and cotangents to and from other stages
     collectives: tuple[Collective, ...] = ()
+    context_bytes: tuple[float, ...] = ()   # token slices: per layer, keys and values kept per micro-batch
 
     def memory_bytes(self, in_flight: int) -> float:
         return self.weight_bytes + max(in_flight * self.activation_bytes + self.working_bytes, self.update_bytes)
@@ -83,11 +84,15 @@ def _out_spec(lg: LayerGraph, cost: LayerCost, v: int) -> DimSharding:
 
 
 def compose(stage: StageLayers, costs: Sequence[LayerCost], mesh: LogicalMesh, *, state_bytes_per_param_byte: float,
-            send_s_per_byte: float, reshard: Callable = reshard_cost) -> StageCost:
+            send_s_per_byte: float, reshard: Callable = reshard_cost, share: float = 1.0,
+            context_bytes: Sequence[float] = ()) -> StageCost:
     """The stage's cost from its layers' ILP solutions: their objectives, the reshards
     where one layer hands a value to the next in another layout, a parameter read by
     several layers in different layouts, and the transfers to neighbouring stages.
-    `reshard`: `reshard_cost` or a planning run's memo of it (`ShardingCosts.reshard`)."""
+    `reshard`: `reshard_cost` or a planning run's memo of it (`ShardingCosts.reshard`).
+    For token slices: working memory on `share` of the positions (the longest slice's),
+    and per layer the bytes per device of the keys and values its attention keeps per
+    micro-batch in flight as the later slices' context (`context_bytes`)."""
     ms = mesh.shape
     by_index = {lg.spec.index: (lg, c) for lg, c in zip(stage.layers, costs)}
     producer = {v: lg.spec.index for lg in stage.layers for v in lg.spec.out_acts}
@@ -137,15 +142,28 @@ def compose(stage: StageLayers, costs: Sequence[LayerCost], mesh: LogicalMesh, *
     time_s += send
     state = weight * (1.0 + state_bytes_per_param_byte)             # params + optimizer state
     update_s = mesh.memory_s(weight * (3.0 + 2.0 * state_bytes_per_param_byte))  # read p, g, s; write p, s
-    working = max(max(c.forward_peak_bytes, c.backward_peak_bytes) for c in costs)
-    if any(lg.remat != "none" for lg in stage.layers):
+    return StageCost(micro_batch_s=time_s, iteration_s=update_s, weight_bytes=state + weight,
+                     activation_bytes=sum(c.residual_bytes for c in costs) + sum(context_bytes),
+                     working_bytes=working_bytes(stage.layers, costs, share, context_bytes),
+                     update_bytes=state, forward_s=fwd_s, compute_s=compute, comm_s=comm, reshard_s=reshard_s,
+                     send_s=send, collectives=tuple(colls), context_bytes=tuple(context_bytes))
+
+
+def working_bytes(layers: Sequence[LayerGraph], costs: Sequence[LayerCost], share: float = 1.0,
+                  context_bytes: Sequence[float] = ()) -> float:
+    """A stage's working memory per device on `share` of the sequence's positions. On a
+    token slice each layer's attention also holds its keys and values over the whole
+    context and, in the backward, their cotangents (`context_bytes`: the keys and values
+    per layer)."""
+    context = [2.0 * b if share < 1 else 0.0 for b in context_bytes] or [0.0] * len(costs)
+    fwd = [c.forward_working.bytes_at(share) + x for c, x in zip(costs, context)]
+    bwd = [c.backward_working.bytes_at(share) + x for c, x in zip(costs, context)]
+    working = max(max(fwd), max(bwd))
+    if any(lg.remat != "none" for lg in layers):
         # measured on XLA CPU: with the forwards recomputed, the backward program holds
         # every layer's working memory at once (not one layer's at a time)
-        working = max(working, sum(c.backward_peak_bytes for c in costs))
-    return StageCost(micro_batch_s=time_s, iteration_s=update_s, weight_bytes=state + weight,
-                     activation_bytes=sum(c.residual_bytes for c in costs), working_bytes=working,
-                     update_bytes=state, forward_s=fwd_s, compute_s=compute, comm_s=comm, reshard_s=reshard_s,
-                     send_s=send, collectives=tuple(colls))
+        working = max(working, sum(bwd))
+    return working
 
 
 # --------------------------------------------------------------------------- programs

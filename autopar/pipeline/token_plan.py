@@ -2,7 +2,7 @@
 one TeraPipe's DP chooses jointly with the batch split, priced on the chosen stages."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -92,13 +92,41 @@ def measured_stage_costs(planner: Any, decision: PipelineDecision, devices: Sequ
     return [profile_stage(TokenStage(p, losses, seq_len), sorted(sizes), sorted(set(lengths))) for p in programs]
 
 
+def slice_caps(planner: Any, decision: PipelineDecision, seq_len: int, granularity: int,
+               sizes: Sequence[int]) -> dict[int, int]:
+    """Per micro-batch size, the longest slice (in units of `granularity` tokens) with which
+    every stage's memory still holds: its weights, the residuals and keys and values of its
+    micro-batches in flight, and its working memory on the slice, which shrinks with the
+    slice's share of the micro-batch's planned tokens (`stage.working_bytes`). 0: none."""
+    from autopar.pipeline.stage import working_bytes
+
+    limit = planner.memory_limit_bytes * (1 + 1e-9)
+    b0, n = decision.traced.micro_batch_size, seq_len // granularity
+
+    def fits(b: int, units: int) -> bool:
+        share = units * granularity * b / (seq_len * b0)
+        return all(d.cost.weight_bytes + max(d.in_flight * d.cost.activation_bytes +
+                                             working_bytes(d.layers.layers, d.costs, share, d.cost.context_bytes), d.cost.update_bytes) <= limit
+                   for d in decision.stages)
+
+    caps = {}
+    for b in sizes:
+        lo, hi = 0, n           # fits(b, lo) or lo == 0; the working memory grows with the slice
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(b, mid) else (lo, mid - 1)
+        caps[b] = lo
+    return caps
+
+
 def plan_token_slices(planner: Any, decision: PipelineDecision, token_slices: Any,
                       devices: Sequence[Any] | None = None) -> TokenPlan:
     """Token slices for the decision's stages: `token_slices` an int (equal slices), a list
     of lengths, or "auto" (TeraPipe's DP over slicings and batch splits into micro-batches
     no larger than the planned one, so that every stage's memory plan still holds, and
-    dividing the batch, so that the step traces on them). With `devices` (profile=True)
-    the slices are priced from times measured on them, else by the cost model."""
+    dividing the batch, so that the step traces on them, and slices no longer than fit the
+    stages' memory, `slice_caps`). With `devices` (profile=True) the slices are priced
+    from times measured on them, else by the cost model."""
     traced = decision.traced
     T = sequence_length(attention_calls(traced.loss_jaxpr), token_slices)
     if token_slices != "auto":
@@ -120,9 +148,14 @@ def plan_token_slices(planner: Any, decision: PipelineDecision, token_slices: An
             items.extend(float(x) for x in np.atleast_1d(item_time_s(costs, b, np.asarray(ls), ctx)))
         return latency_s(items, depth) + update_s
 
-    unsliced = schedule_s([b0] * B, [(T,)] * B)
+    caps = slice_caps(planner, decision, T, g, sizes)
+    unsliced = schedule_s([b0] * B, [(T,)] * B) if caps[b0] * g == T else None
     if token_slices == "auto":
-        tables = {b: cost_table(lambda l, c, b=b: item_time_s(costs, b, l, c), T, g) for b in sizes}
+        tables = {}
+        for b in sizes:
+            if caps[b]:
+                tables[b] = cost_table(lambda l, c, b=b: item_time_s(costs, b, l, c), T, g)
+                tables[b][caps[b]:, :] = np.inf         # longer slices do not fit the stages' memory
         best = token_dp(tables, B * b0, depth, granularity=g)
         sizes, slices, tried = best.micro_batch_sizes, best.slices, best.bounds_tried
     else:
@@ -134,3 +167,16 @@ def plan_token_slices(planner: Any, decision: PipelineDecision, token_slices: An
                       d.cost.forward_s / d.cost.micro_batch_s if d.cost.micro_batch_s > 0 else 0.5
                       for c, d in zip(costs, decision.stages))
     return TokenPlan(slicing=slicing, stage_costs=tuple(costs), forward_fraction=fractions)
+
+
+def sliced_decision(decision: PipelineDecision, slicing: TokenSlicing) -> PipelineDecision:
+    """The decision with each stage's working memory on the slicing's longest slice (the
+    stage DP planned it for the longest slice it allowed)."""
+    from autopar.pipeline.stage import working_bytes
+
+    b0, T = decision.traced.micro_batch_size, slicing.seq_len
+    share = max(max(ls) * b / (T * b0) for b, ls in zip(slicing.micro_batch_sizes, slicing.slices))
+    stages = tuple(replace(d, cost=replace(
+        d.cost, working_bytes=working_bytes(d.layers.layers, d.costs, share, d.cost.context_bytes)))
+                   for d in decision.stages)
+    return replace(decision, stages=stages)

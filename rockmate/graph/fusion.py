@@ -40,13 +40,14 @@ def materialized(graph: OpGraph, keep: Iterable[int] = ()) -> set[int]:
     return out - set(graph.literals)
 
 
-def liveness_peak(graph: OpGraph, ops: Sequence[int], nbytes: Callable[[int], float],
-                  live_out: Iterable[int] = (), count: Callable[[int], bool] = lambda v: True,
-                  transient: dict[int, float] | None = None) -> float:
-    """Largest total `nbytes` of vars defined by `ops` (in that order) that are alive at
-    once: from their producer until their last reader among `ops`, or to the end for vars
-    in `live_out`. Only vars for which `count(v)` holds are summed. `transient[i]` bytes are
-    alive while op i runs (e.g. an operand copied into another layout for it)."""
+def liveness_levels(graph: OpGraph, ops: Sequence[int], nbytes: Callable[[int], float],
+                    live_out: Iterable[int] = (), count: Callable[[int], bool] = lambda v: True,
+                    transient: dict[int, float] | None = None) -> list[float]:
+    """Total `nbytes` of the vars defined by `ops` (in that order) that are alive while
+    each op runs: from their producer until their last reader among `ops`, or to the end
+    for vars in `live_out`. Only vars for which `count(v)` holds are summed. `transient[i]`
+    bytes are alive while op i runs (e.g. an operand copied into another layout for it).
+    One level per op, then the level after the last op."""
     position = {i: k for k, i in enumerate(ops)}
     last: dict[int, int] = {}
     for k, i in enumerate(ops):
@@ -67,8 +68,15 @@ def liveness_peak(graph: OpGraph, ops: Sequence[int], nbytes: Callable[[int], fl
     for i, b in (transient or {}).items():
         if i in position:
             extra[position[i]] += b
-    peak = running = 0.0
-    for d, e in zip(delta, extra):
+    levels, running = [], 0.0
+    for d, e in zip(delta[:end + 1], extra):
         running += d
-        peak = max(peak, running + e)
-    return peak
+        levels.append(running + e)
+    return levels
+
+
+def liveness_peak(graph: OpGraph, ops: Sequence[int], nbytes: Callable[[int], float],
+                  live_out: Iterable[int] = (), count: Callable[[int], bool] = lambda v: True,
+                  transient: dict[int, float] | None = None) -> float:
+    """The largest of `liveness_levels` (0 for no ops)."""
+    return max([0.0, *liveness_levels(graph, ops, nbytes, live_out, count, transient)])
