@@ -182,12 +182,12 @@ def test_register_tiles_are_ordered_like_their_measurements():
               (8, 2, 16), (16, 1, 256), (8, 4, 64)]
     scheds = [_tiled(*s) for s in shapes]
     m = ProgramMeasurer(task, opts=MeasureOptions(repeats=3, min_time_s=0.002, num_threads=1))
-    try:
-        recs = m.measure(scheds)
+    try:      # two rounds, the faster of each: a test beside it on the other core can stall one
+        rounds = [m.measure(scheds) for _ in range(2)]
     finally:
         m.close()
-    assert all(r.ok for r in recs)
-    lat = [r.latency_s for r in recs]
+    assert all(r.ok for recs in rounds for r in recs)
+    lat = [min(r.latency_s for r in pair) for pair in zip(*rounds)]
     e = [est(task, s) for s in scheds]
     wrong = [(shapes[a], shapes[b]) for a in range(len(shapes)) for b in range(len(shapes))
              if lat[a] > 2 * lat[b] and e[a] <= e[b]]

@@ -87,7 +87,12 @@ def whole_sequence_minimum():
     return e.value.min_bytes
 
 
-def test_slices_fit_a_budget_whole_sequences_do_not(whole_sequence_minimum):
+@pytest.fixture(scope="module")
+def sliced_plan(whole_sequence_minimum):
+    return _plan("auto", 0.6 * whole_sequence_minimum)
+
+
+def test_slices_fit_a_budget_whole_sequences_do_not(whole_sequence_minimum, sliced_plan):
     """At 60% of the smallest budget a whole-sequence pipeline needs (256 tokens: the
     attention scores dominate the working memory), token_slices="auto" plans stages for
     short slices and keeps its slices to what fits: the planned memory of every stage,
@@ -95,7 +100,7 @@ def test_slices_fit_a_budget_whole_sequences_do_not(whole_sequence_minimum):
     budget = 0.6 * whole_sequence_minimum
     with pytest.raises(MemoryBudgetError):
         _plan(1, budget)
-    plan = _plan("auto", budget)
+    plan = sliced_plan
     ts = plan.pipeline.token_slices
     assert ts.unsliced_step_s is None and "do not fit these stages' memory" in " ".join(plan.summary().split())
     assert max(max(s) for s in ts.slices) < CFG.seq
@@ -130,7 +135,7 @@ def test_stage_working_memory_on_a_slice_adds_the_context(layers):
     assert per_device_bytes(lg, c.var_specs, c.mesh_shape, lg.act_vars[0]) > 0
 
 
-def test_slice_working_memory_against_the_compiled_slice_programs(whole_sequence_minimum):
+def test_slice_working_memory_against_the_compiled_slice_programs(sliced_plan):
     """The planned working memory on the longest slice against XLA's temp memory of that
     slice's compiled forward and backward, per stage. Measured 2.1x and 2.8x here (docs/
     token_pipeline.md): with remat the plan adds up every layer's recomputation and
@@ -139,7 +144,7 @@ def test_slice_working_memory_against_the_compiled_slice_programs(whole_sequence
     from autopar.check import build_plan, check_executable, check_slice_working
 
     step, state, batch = mz.gpt_abstract_setup(CFG)
-    plan = _plan("auto", 0.6 * whole_sequence_minimum)
+    plan = sliced_plan
     exe, _ = build_plan(step, state, batch, plan=plan)
     checks = check_slice_working(exe)
     assert [c.stage for c in checks] == [0, 1]
