@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from autopar.pipeline.schedule import SCHEDULES
+
+if TYPE_CHECKING:
+    from autopar.pipeline.stage import PlacedStage
 
 LOWERINGS = ("auto", "spmd", "per-stage")
 
@@ -169,8 +172,7 @@ class PipeshardParallel:
                        planning_s=time.perf_counter() - t0, token=token)
         from autopar.pipeline.stage_kernels import with_stage_kernels
 
-        planned = PipelinePlanned(plan, decision.traced, tuple(
-            (d.layers, d.costs, d.device_ids, d.logical_mesh) for d in decision.stages), planner)
+        planned = PipelinePlanned(plan, decision.traced, tuple(d.placed() for d in decision.stages), planner)
         return with_stage_kernels(planned, request) if token is None else planned
 
     def _profile_devices(self, request: Any) -> Any:
@@ -219,9 +221,12 @@ class PipeshardParallel:
         _check_loss_is_batch_mean(planner, traced)
         from autopar.pipeline.stage_kernels import with_stage_kernels
 
+        from autopar.pipeline.stage import PlacedStage
+
         index = {d.id: k for k, d in enumerate(devices)}
-        planned = PipelinePlanned(plan, traced, tuple((s.layers, s.layouts, tuple(index[d.id] for d in s.devices),
-                                                       s.mesh_shape) for s in stages), planner)
+        planned = PipelinePlanned(plan, traced, tuple(
+            PlacedStage(layers=s.layers, layouts=tuple(s.layouts), device_indices=tuple(index[d.id] for d in s.devices),
+                        logical_mesh=s.mesh_shape) for s in stages), planner)
         return with_stage_kernels(planned, request) if plan.pipeline.token_slices is None else planned
 
     def build(self, planned: Any, request: Any) -> Any:
@@ -247,12 +252,11 @@ def _check_loss_is_batch_mean(planner: Any, traced: Any) -> None:
 
 @dataclass(frozen=True)
 class PipelinePlanned:
-    """A pipeline decision: the Plan, the traced step, and per stage (layers, layer
-    layouts, device indices, logical mesh shape)."""
+    """A pipeline decision: the Plan, the traced step, and its stages as they are built."""
 
     plan: Any
     traced: Any
-    stages: tuple
+    stages: tuple[PlacedStage, ...]
     planner: Any
     kernels: tuple = ()         # per stage, per layer: kernel_choice.ChosenKernels (kernels != "xla")
 

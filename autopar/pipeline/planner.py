@@ -28,7 +28,7 @@ from autopar.pipeline.layer_cost import LayerCost, LayerSolver, global_working_b
 from autopar.pipeline.layer_graph import LayerGraph, content_key, trace_layer
 from autopar.pipeline.layers import LayerSpec, clustered_cuts, cut_layers, marker_cuts, repeat_cuts
 from autopar.pipeline.method import PipeshardParallel
-from autopar.pipeline.stage import StageCost, StageLayers, compose, stage_layers
+from autopar.pipeline.stage import PlacedStage, StageCost, StageLayers, compose, stage_layers
 from autopar.pipeline.stage_dp import StageDPResult, lazy_stage_dp, stage_dp
 from autopar.pipeline.submesh import assign_devices, logical_mesh_shapes
 from autopar.pipeline.trace import StepTracer, TracedStep
@@ -52,6 +52,10 @@ class StageDecision:
     remat: str
     in_flight: int
     param_mode: str = "fast"
+
+    def placed(self) -> PlacedStage:
+        return PlacedStage(layers=self.layers, layouts=self.costs, device_indices=self.device_ids,
+                           logical_mesh=self.logical_mesh)
 
 
 @dataclass(frozen=True)

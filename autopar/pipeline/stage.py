@@ -370,12 +370,24 @@ def _read(graph: OpGraph, env: dict[int, Any], v: int) -> Any:
     return env[v] if v in env else graph.literals[v]
 
 
-def stage_programs(stages: Sequence[tuple], devices: Sequence[Any], num_micro_batches: int,
+@dataclass(frozen=True)
+class PlacedStage:
+    """A planned stage as its programs are built from it: its layers, each layer's layouts
+    (a LayerCost, or a saved layout), the indices of its devices among the devices the
+    step runs on, and its logical mesh shape."""
+
+    layers: StageLayers
+    layouts: tuple[Any, ...]
+    device_indices: tuple[int, ...]
+    logical_mesh: tuple[int, int]
+
+
+def stage_programs(stages: Sequence[PlacedStage], devices: Sequence[Any], num_micro_batches: int,
                    kernels: Sequence[tuple] = ()) -> list[StagePrograms]:
-    """The programs of planned stages, each given as (layers, layer layouts, indices into
-    `devices`, logical mesh shape), on their devices."""
+    """The programs of planned stages on their devices."""
     from autopar.lower import build_mesh
 
-    return [StagePrograms(layers, tuple(layouts), build_mesh([devices[i] for i in ids], shape), num_micro_batches,
-                          kernels=kernels[k] if kernels else ())
-            for k, (layers, layouts, ids, shape) in enumerate(stages)]
+    return [StagePrograms(st.layers, tuple(st.layouts), build_mesh([devices[i] for i in st.device_indices],
+                                                                   st.logical_mesh),
+                          num_micro_batches, kernels=kernels[k] if kernels else ())
+            for k, st in enumerate(stages)]

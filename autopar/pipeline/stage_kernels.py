@@ -22,7 +22,7 @@ def with_stage_kernels(planned: Any, request: Any) -> Any:
     """`planned` (a PipelinePlanned) with every stage's kernel tasks recorded and, with
     `request.kernels` != "xla", kernels chosen for its layers' sites (`planned.kernels`:
     per stage, per layer, a ChosenKernels)."""
-    groups = [stage_site_groups(st, layouts, shape) for st, layouts, _, shape in planned.stages]
+    groups = [stage_site_groups(st.layers, st.layouts, st.logical_mesh) for st in planned.stages]
     stages = [replace(s, kernel_tasks=kernel_tasks([x for g in gs for x in g.sites]))
               for s, gs in zip(planned.plan.stages, groups)]
     chosen: tuple[tuple[ChosenKernels, ...], ...] = ()

@@ -87,8 +87,7 @@ def measured_stage_costs(planner: Any, decision: PipelineDecision, devices: Sequ
     from autopar.pipeline.token_runtime import TokenStage, slice_losses
 
     losses = slice_losses(planner.tracer, decision.traced, seq_len, sizes)
-    programs = stage_programs([(d.layers, d.costs, d.device_ids, d.logical_mesh) for d in decision.stages],
-                              devices, decision.num_micro_batches)
+    programs = stage_programs([d.placed() for d in decision.stages], devices, decision.num_micro_batches)
     return [profile_stage(TokenStage(p, losses, seq_len), sorted(sizes), sorted(set(lengths))) for p in programs]
 
 
