@@ -1,6 +1,6 @@
-"""Stage memory on token slices (TeraPipe): which values shrink with a slice, the working
-memory as a function of the slice's share of the sequence, and a pipeline planned under a
-budget that whole sequences do not meet."""
+"""Stage planning for token slices (TeraPipe): which values shrink with a slice, the working
+memory as a function of the slice's share of the sequence, a pipeline planned under a
+budget that whole sequences do not meet, and slices counted as work items by the stage DP."""
 import jax
 import numpy as np
 import optax
@@ -153,3 +153,22 @@ def test_slice_working_memory_against_the_compiled_slice_programs(sliced_plan):
         assert 0.5 <= c.ratio <= 3.0, c
     with pytest.raises(ValueError, match="check_slice_working"):
         check_executable(exe, (state, batch))
+
+
+def test_the_stage_dp_counts_slices_as_work_items():
+    """With token slices the stage DP's latency counts B x k work items (the pipeline fills
+    with slices); the decision still reports the step with whole micro-batches."""
+    from autopar.api import signature_of
+    from autopar.cluster import Cluster
+    from autopar.interface import PlanRequest
+
+    step, state, batch = mz.gpt_abstract_setup(CFG)
+    method = autopar.PipeshardParallel(num_micro_batches=2, num_stages=2, token_slices=8)
+    request = PlanRequest(fun=step, args=(state, batch), kwargs={}, cluster=Cluster.parse("2x4:a100-80g"),
+                          signature=signature_of((state, batch), {}), remat="auto")
+    planner = method._planner(request)
+    d = planner.plan()
+    assert planner.items_per_micro_batch == 8 and planner.slice_share == 32 / 256
+    times = [s.cost.micro_batch_s for s in d.stages]
+    whole = sum(times) + sum(s.cost.iteration_s for s in d.stages) + (d.num_micro_batches - 1) * max(times)
+    assert d.latency_s == pytest.approx(whole)

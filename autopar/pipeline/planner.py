@@ -392,6 +392,11 @@ class PipelinePlanner:
         # token slices (TeraPipe): stage memory is planned with the working memory of the
         # longest slice, this share of the sequence's positions (1: whole sequences)
         self.slice_share = 1.0
+        # ... and the stage DP's latency counts this many work items per micro-batch, each
+        # 1/k of its time: sum of stage times + (B k - 1) x the slowest, k times TeraPipe's
+        # latency of equal slices (a sliced pipeline fills with items, so the stages are
+        # chosen for the slowest one more than for their sum)
+        self.items_per_micro_batch = 1
         self._context: dict[int, list[float]] = {}
 
     # --- layers ---------------------------------------------------------------------
@@ -497,7 +502,7 @@ class PipelinePlanner:
             time_s = _restrict_to_given(cand, time_s, fixed)
         self.dp_runs += 1
         return stage_dp(time_s, [n * m for n, m in cand.shapes], self.cluster.num_devices,
-                        cand.B, iteration_s=it, memory_bytes=mem,
+                        cand.B * self.items_per_micro_batch, iteration_s=it, memory_bytes=mem,
                         memory_limit_bytes=self.memory_limit_bytes if limit is None else limit, num_stages=num_stages,
                         imbalance_tolerance=self.method.imbalance_tolerance)
 
@@ -520,7 +525,8 @@ class PipelinePlanner:
             return np.tile(cand.priced, (1, 1, 1, cand.S, 1))
 
         return lazy_stage_dp(tensors, exact, price, [n * m for n, m in cand.shapes], self.cluster.num_devices,
-                             cand.B, priced=priced, tolerance=self.method.planning_tolerance, num_stages=num_stages,
+                             cand.B * self.items_per_micro_batch, priced=priced,
+                             tolerance=self.method.planning_tolerance, num_stages=num_stages,
                              memory_limit_bytes=self.memory_limit_bytes if limit is None else limit,
                              imbalance_tolerance=self.method.imbalance_tolerance)
 
@@ -590,21 +596,23 @@ class PipelinePlanner:
         """The best pipeline. With token slices, stage memory is planned for the longest
         slice asked for; with token_slices="auto" for whole sequences first and, if no
         plan fits, for the shortest slices the token DP may cut (which it then keeps to
-        what fits, `token_plan.slice_caps`)."""
+        what fits, `token_plan.slice_caps`). The stage DP's latency counts the slices asked
+        for, or with "auto" the most the token DP may cut, as work items."""
         from autopar.intra_op import MemoryBudgetError
 
         if self.method.token_slices == 1:
             return self._plan()
+        from autopar.pipeline.token_plan import MAX_UNITS
+        from autopar.pipeline.token_dp import granularity_for
+
         T, lengths = self.token_lengths()
         self.slice_share = 1.0 if lengths is None else max(lengths) / T
+        self.items_per_micro_batch = T // granularity_for(T, MAX_UNITS) if lengths is None else len(lengths)
         try:
             return self._plan()
         except MemoryBudgetError:
             if lengths is not None:
                 raise
-        from autopar.pipeline.token_plan import MAX_UNITS
-        from autopar.pipeline.token_dp import granularity_for
-
         self.slice_share = granularity_for(T, MAX_UNITS) / T
         self._problems.clear()
         return self._plan()
@@ -650,7 +658,11 @@ class PipelinePlanner:
         search = {"micro_batch_candidates": tuple(Bs), "micro_batch_evaluated": tuple(sorted({k[0] for k in priced})),
                   "layer_counts": tuple(len(c) - 1 for c in cut_options), "ilp_solves": self.solver.solves - self._solves_before,
                   "dp_runs": self.dp_runs, "meshes_priced": sum(p.meshes_priced for p in self._problems.values())}
-        return PipelineDecision(cand.traced, tuple(cand.cuts), decision, cand.B, res.latency_s, search)
+        latency = res.latency_s
+        if self.items_per_micro_batch > 1:     # the DP's objective counted slices: the step with whole ones
+            times = [d.cost.micro_batch_s for d in decision]
+            latency = sum(times) + sum(d.cost.iteration_s for d in decision) + (cand.B - 1) * max(times)
+        return PipelineDecision(cand.traced, tuple(cand.cuts), decision, cand.B, latency, search)
 
     def _min_memory(self, cand: _Candidates, num_stages, fixed, rel_tol: float = 0.02) -> float:
         """The smallest per-device memory limit under which a plan of these candidates
