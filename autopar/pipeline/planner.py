@@ -28,7 +28,7 @@ from autopar.pipeline.layer_cost import LayerCost, LayerSolver, global_working_b
 from autopar.pipeline.layer_graph import LayerGraph, content_key, trace_layer
 from autopar.pipeline.layers import LayerSpec, clustered_cuts, cut_layers, marker_cuts, repeat_cuts
 from autopar.pipeline.method import PipeshardParallel
-from autopar.pipeline.stage import PlacedStage, StageCost, StageLayers, compose, stage_layers
+from autopar.pipeline.stage import PlacedStage, StageCost, StageLayers, compose, stage_layers, working_bytes
 from autopar.pipeline.stage_dp import StageDPResult, lazy_stage_dp, stage_dp
 from autopar.pipeline.submesh import assign_devices, logical_mesh_shapes
 from autopar.pipeline.trace import StepTracer, TracedStep
@@ -52,6 +52,10 @@ class StageDecision:
     remat: str
     in_flight: int
     param_mode: str = "fast"
+
+    def working_bytes_at(self, share: float) -> float:
+        """The stage's working memory per device on token slices of `share` of its tokens."""
+        return working_bytes(self.layers.layers, self.costs, share, self.cost.context_bytes)
 
     def placed(self) -> PlacedStage:
         return PlacedStage(layers=self.layers, layouts=self.costs, device_indices=self.device_ids,
@@ -606,14 +610,15 @@ class PipelinePlanner:
         from autopar.pipeline.token_dp import granularity_for
 
         T, lengths = self.token_lengths()
+        g = granularity_for(T, MAX_UNITS)
         self.slice_share = 1.0 if lengths is None else max(lengths) / T
-        self.items_per_micro_batch = T // granularity_for(T, MAX_UNITS) if lengths is None else len(lengths)
+        self.items_per_micro_batch = T // g if lengths is None else len(lengths)
         try:
             return self._plan()
         except MemoryBudgetError:
             if lengths is not None:
                 raise
-        self.slice_share = granularity_for(T, MAX_UNITS) / T
+        self.slice_share = g / T
         self._problems.clear()
         return self._plan()
 

@@ -97,15 +97,12 @@ def slice_caps(planner: Any, decision: PipelineDecision, seq_len: int, granulari
     every stage's memory still holds: its weights, the residuals and keys and values of its
     micro-batches in flight, and its working memory on the slice, which shrinks with the
     slice's share of the micro-batch's planned tokens (`stage.working_bytes`). 0: none."""
-    from autopar.pipeline.stage import working_bytes
-
     limit = planner.memory_limit_bytes * (1 + 1e-9)
     b0, n = decision.traced.micro_batch_size, seq_len // granularity
 
     def fits(b: int, units: int) -> bool:
         share = units * granularity * b / (seq_len * b0)
-        return all(d.cost.weight_bytes + max(d.in_flight * d.cost.activation_bytes +
-                                             working_bytes(d.layers.layers, d.costs, share, d.cost.context_bytes), d.cost.update_bytes) <= limit
+        return all(replace(d.cost, working_bytes=d.working_bytes_at(share)).memory_bytes(d.in_flight) <= limit
                    for d in decision.stages)
 
     caps = {}
@@ -171,11 +168,7 @@ def plan_token_slices(planner: Any, decision: PipelineDecision, token_slices: An
 def sliced_decision(decision: PipelineDecision, slicing: TokenSlicing) -> PipelineDecision:
     """The decision with each stage's working memory on the slicing's longest slice (the
     stage DP planned it for the longest slice it allowed)."""
-    from autopar.pipeline.stage import working_bytes
-
     b0, T = decision.traced.micro_batch_size, slicing.seq_len
     share = max(max(ls) * b / (T * b0) for b, ls in zip(slicing.micro_batch_sizes, slicing.slices))
-    stages = tuple(replace(d, cost=replace(
-        d.cost, working_bytes=working_bytes(d.layers.layers, d.costs, share, d.cost.context_bytes)))
-                   for d in decision.stages)
+    stages = tuple(replace(d, cost=replace(d.cost, working_bytes=d.working_bytes_at(share))) for d in decision.stages)
     return replace(decision, stages=stages)
