@@ -156,7 +156,12 @@ def _dot_semantics_ok(ls, rs, os_, dn, shapes, mesh_shape) -> bool:
         if wl in lc and wr == rc[lc.index(wl)]:
             # partial sums: all-reduce (wo None) or reduce-scatter onto any out dim, where the
             # scattered axis becomes the minor split (other splits of that dim come first)
-            if wo is None or all(b == a or ls_or_rs_holds(b, ls, rs, lc, rc) for b in os_[wo][os_[wo].index(a):]):
+            if wo is None:
+                continue
+            # ... but never onto a transposed tiling (XLA's scatter there costs more, see roles.py)
+            order = [b for x in os_ for b in x]
+            if order == sorted(order) and all(b == a or ls_or_rs_holds(b, ls, rs, lc, rc)
+                                              for b in os_[wo][os_[wo].index(a):]):
                 continue
             return False
         return False
