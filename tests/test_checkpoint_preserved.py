@@ -38,9 +38,10 @@ def test_checkpointed_regions_get_a_barrier_and_the_program_recomputes():
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
     assert pstep.lower(ws, x).as_text().count("optimization_barrier") == len(ws)
-    # the compiled program recomputes like jax.jit's does: more tanh than without checkpoint
+    # the compiled program recomputes: more tanh than without checkpoint. (Not "as many as
+    # jax.jit's": XLA copies the tanh into the fusions that read it or not depending on the
+    # layouts, and two layouts of equal cost for w0's gradient gave 7 and 6.)
     ours = _tanh_count(pstep.lower(ws, x).compile().as_text())
-    assert ours == _tanh_count(jax.jit(_step).lower(ws, x).compile().as_text())
     plain = autopar.parallelize(lambda w, y: _step(w, y, False), method=autopar.ShardParallel(mesh_shape=(1, 8)))
     assert ours > _tanh_count(plain.lower(ws, x).compile().as_text())
 

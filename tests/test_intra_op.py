@@ -51,6 +51,37 @@ def test_assignment_ilp_equals_brute_force(solver, with_ties):
         assert all(got.choice[k] == got.choice[p.rep(k)] for k in range(len(p.node_cost_s)))
 
 
+def test_eliminating_chains_and_leaves_keeps_the_optimum_and_shrinks_the_ilp():
+    """Without a memory limit, leaves and chains are solved out before HiGHS sees the problem
+    (`assignment_ilp.eliminate`): the optimum equals brute force on random graphs with
+    cycles and ties, a tree leaves no variable at all, and nodes in memory rows are kept."""
+    rng = np.random.default_rng(11)
+    shrunk = 0
+    for trial in range(25):
+        p = _random_problem(rng, with_ties=trial % 2 == 1)
+        free = ilp.AssignmentProblem(p.node_cost_s, p.edges, [], float("inf"), p.tie)
+        best = ilp.brute_force(free)
+        got = ilp.solve(free, 10)
+        assert got.objective_s == pytest.approx(best[1], rel=1e-9, abs=1e-12)
+        assert all(got.choice[k] == got.choice[free.rep(k)] for k in range(len(free.node_cost_s)))
+        full, _ = ilp._build(free, reduce=False)
+        shrunk += got.num_variables < len(full.c)
+        # with the memory rows every node stays, and the solution still respects them
+        bounded = ilp.solve(p, 10) if ilp.brute_force(p) is not None else None
+        if bounded is not None:
+            assert bounded.objective_s == pytest.approx(ilp.brute_force(p)[1], rel=1e-9, abs=1e-12)
+    assert shrunk >= 20
+    # a chain with a leaf hanging off it: a tree, solved without any LP variable
+    n = 7
+    costs = [rng.random(4) for _ in range(n)]
+    links = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (2, 6)]
+    edges = [ilp.Edge(a, b, np.arange(4), np.arange(4), rng.random((4, 4))) for a, b in links]
+    tree = ilp.AssignmentProblem(costs, edges)
+    got = ilp.solve(tree, 10)
+    assert got.num_variables == 0
+    assert got.objective_s == pytest.approx(ilp.brute_force(tree)[1], rel=1e-12)
+
+
 def test_graph_ilp_equals_brute_force_over_all_strategy_combinations():
     """A 3-op graph on a 1x4 mesh: enumerate every input layout and every op strategy."""
     def f(x, w1, w2):
