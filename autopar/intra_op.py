@@ -125,11 +125,8 @@ def _strategies(op: Op, graph: OpGraph, mesh: LogicalMesh, time_limit_s: float, 
     registers, not memory."""
     if op.name == "scan" and op.body is not None:
         return _scan_strategies(op, mesh, time_limit_s, solver, costs)
-    strats = costs.strategies(op, graph, mesh)
     counted = tuple(v in kept for v in op.inputs) + tuple(v in kept for v in op.outputs)
-    if all(counted):
-        return strats
-    return [s.fused(counted, mesh.memory_s) for s in strats]
+    return costs.strategies(op, graph, mesh, None if all(counted) else counted)
 
 
 def live_ops(graph: OpGraph) -> set[int]:
@@ -251,13 +248,9 @@ def _edges(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], resha
     charges the reshard of v from its layout into w's (an output returned in an input's
     layout, or a value another program hands back in a layout of its own)."""
     out = []
-    matrices: dict = {}
 
-    def matrix(sl, dl, spec):  # repeated layers ask for the same matrices many times
-        key = (tuple(sl), tuple(dl), spec.shape, spec.dtype)
-        if key not in matrices:
-            matrices[key] = np.array([[reshard(a, b, spec)[0] for b in dl] for a in sl])
-        return matrices[key]
+    def matrix(sl, dl, spec):
+        return reshard.costs.reshard_matrix(sl, dl, spec, reshard.mesh)
 
     for gid, g in enumerate(groups):
         for r, v in enumerate(g.req_vars):
@@ -272,8 +265,7 @@ def _edges(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], resha
         src, dst = group_of[v], group_of[w]
         sk, sl = _keys([ch.out[v] for ch in groups[src].choices])
         dk, dl = _keys([ch.out[w] for ch in groups[dst].choices])
-        cost = np.array([[reshard(a, b, graph.vars[v])[0] for b in dl] for a in sl])
-        out.append((ilp.Edge(src, dst, sk, dk, cost), v, sl, dl))
+        out.append((ilp.Edge(src, dst, sk, dk, matrix(sl, dl, graph.vars[v])), v, sl, dl))
     return out
 
 

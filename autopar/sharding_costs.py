@@ -4,7 +4,9 @@ times (repeated layers, the same layer on several meshes, stage compositions); t
 lives as long as the planner that owns it, so nothing grows at module level."""
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
+
+import numpy as np
 
 from autopar.resharding import reshard_cost
 from autopar.sharding_spec import Collective, DimSharding, Strategy
@@ -20,21 +22,43 @@ class ShardingCosts:
 
     def __init__(self) -> None:
         self._strategies: dict[tuple, list[Strategy]] = {}
+        self._fused: dict[tuple, list[Strategy]] = {}
+        self._matrices: dict[tuple, np.ndarray] = {}
         self._reshards: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
         self._paths: dict[Any, dict] = {}       # per mesh: source layout -> shortest-path table
         self._meshes: dict[int, Any] = {}        # unhashable meshes, kept alive so their ids stay unique
         self._graph: tuple[OpGraph, dict[str, Any]] | None = None
 
-    def strategies(self, op: Op, graph: OpGraph, mesh: Any) -> list[Strategy]:
-        """`enumerate_strategies(op, graph, mesh)`, computed once per op content and mesh."""
+    def strategies(self, op: Op, graph: OpGraph, mesh: Any, counted: tuple[bool, ...] | None = None
+                   ) -> list[Strategy]:
+        """`enumerate_strategies(op, graph, mesh)`, computed once per op content and mesh;
+        with `counted`, each strategy `fused` to touch memory only for those operands and
+        results (also computed once)."""
         ins = tuple(None if v in graph.literals else graph.vars[v] for v in op.inputs)
         outs = tuple(graph.vars[v] for v in op.outputs)
         key = _op_key(op, ins, outs, self._mesh_key(mesh))
         if key is None:
-            return enumerate_strategies(op, graph, mesh)
+            strats = enumerate_strategies(op, graph, mesh)
+            return strats if counted is None else [s.fused(counted, mesh.memory_s) for s in strats]
         if key not in self._strategies:
             self._strategies[key] = enumerate_strategies(op, graph, mesh)
-        return list(self._strategies[key])
+        if counted is None:
+            return list(self._strategies[key])
+        fkey = (key, counted)
+        if fkey not in self._fused:
+            self._fused[fkey] = [s.fused(counted, mesh.memory_s) for s in self._strategies[key]]
+        return list(self._fused[fkey])
+
+    def reshard_matrix(self, src: Sequence[DimSharding], dst: Sequence[DimSharding], tensor: TensorSpec,
+                       mesh: Any) -> np.ndarray:
+        """Reshard seconds from each layout of `src` (rows) into each of `dst` (columns);
+        the same edges recur across repeated layers, options and stages of one run."""
+        key = (tuple(src), tuple(dst), tensor.shape, tensor.dtype, self._mesh_key(mesh))
+        m = self._matrices.get(key)
+        if m is None:
+            m = self._matrices[key] = np.array([[self.reshard(a, b, tensor, mesh)[0] for b in dst] for a in src])
+            m.setflags(write=False)
+        return m
 
     def reshard(self, src: DimSharding, dst: DimSharding, tensor: TensorSpec, mesh: Any
                 ) -> tuple[float, tuple[Collective, ...]]:

@@ -122,11 +122,11 @@ def compose(stage: StageLayers, costs: Sequence[LayerCost], mesh: LogicalMesh, *
     first: dict[int, DimSharding] = {}
     weight = 0.0
     for lg, c in zip(stage.layers, costs):
-        for i, v in zip(lg.spec.param_inputs, lg.param_vars):
-            spec = c.var_specs.get(v, replicated(lg.graph.vars[v].ndim))
+        for i, v, nbytes in zip(lg.spec.param_inputs, lg.param_vars, c.param_bytes):
+            spec = c.var_specs.get(v) or replicated(lg.graph.vars[v].ndim)
             if i not in first:
                 first[i] = spec
-                weight += per_device_bytes(lg, c.var_specs, ms, v)
+                weight += nbytes
             elif first[i] != spec:
                 t, cs = reshard(first[i], spec, lg.graph.vars[v], mesh)
                 t2, cs2 = reshard(spec, first[i], lg.graph.vars[v], mesh)

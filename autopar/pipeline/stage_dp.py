@@ -81,12 +81,16 @@ def stage_dp(time_s: np.ndarray, submesh_sizes: Sequence[int], num_devices: int,
     stage_counts = list(range(1, S + 1)) if num_stages is None else [num_stages]
     sizes = np.asarray(submesh_sizes, dtype=np.int64)
 
+    n_options = np.count_nonzero(np.isfinite(time_ok), axis=4)
+
     def solve(t_max: float):
         """Best solution per stage count under the bound: {s: (sum, stages)}."""
-        masked = np.where(time_ok <= t_max, total_ok, np.inf)
-        pick = np.argmin(masked, axis=4)
-        cost = np.take_along_axis(masked, pick[..., None], axis=4)[..., 0]     # [L, L, M, S]
-        option = np.take_along_axis(option_of, pick[..., None], axis=4)[..., 0]
+        # the Pareto options run from fastest to least total: the best within the bound is
+        # the last one within it
+        within = np.minimum(np.count_nonzero(time_ok <= t_max, axis=4), n_options)
+        pick = np.maximum(within - 1, 0)[..., None]
+        cost = np.where(within > 0, np.take_along_axis(total_ok, pick, axis=4)[..., 0], np.inf)   # [L, L, M, S]
+        option = np.take_along_axis(option_of, pick, axis=4)[..., 0]
         F = np.full((L + 1, N + 1), np.inf)
         F[L, 0] = 0.0
         # G[m, i, d] = F[i + 1, d - size_m]
