@@ -220,6 +220,15 @@ def test_a_planning_runs_memo_answers_as_the_pure_functions_do():
     for (src, dst, shape, dtype, _), hit in list(costs._reshards.items())[:200]:
         spec = next(graph.vars[v] for v in graph.vars if graph.vars[v].shape == shape and graph.vars[v].dtype == dtype)
         assert hit == reshard_cost(src, dst, spec, mesh)
+    # reshard matrices and fused strategies, memoised across the run's ILPs
+    assert costs._matrices and costs._fused
+    for (src, dst, shape, dtype, _), matrix in list(costs._matrices.items())[:20]:
+        spec = next(graph.vars[v] for v in graph.vars if graph.vars[v].shape == shape and graph.vars[v].dtype == dtype)
+        assert matrix.tolist() == [[reshard_cost(a, b, spec, mesh)[0] for b in dst] for a in src]
+    for op in graph.ops[:60]:
+        counted = tuple(i % 2 == 0 for i in range(len(op.inputs) + len(op.outputs)))
+        assert costs.strategies(op, graph, mesh, counted) == [
+            s.fused(counted, mesh.memory_s) for s in enumerate_strategies(op, graph, mesh)]
     again = plan_sharding(graph, mesh, costs=costs)
     fresh = plan_sharding(graph, mesh)
     assert first.var_specs == again.var_specs == fresh.var_specs
