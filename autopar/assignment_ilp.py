@@ -161,9 +161,10 @@ def eliminate(costs: dict[int, np.ndarray], pairs: dict[tuple[int, int], np.ndar
     neighbour u adds min_j (cost[j] + m[j, :]) to u's cost, one with two neighbours u, w
     becomes an edge (u, w) holding min_j (cost[j] + m_u[j, :, None] + m_w[j, None, :]) unless
     that has over 4x the entries of the two edges it replaces (measured on GPT layers: as
-    fast as no limit; the limit only guards against a dense edge between two wide nodes). Chains of layers and the leaves
-    of a computation graph leave the ILP this way; `protected` nodes (in memory rows) stay.
-    Returns the remaining costs and pairs and the eliminations in order."""
+    fast as no limit; the limit only guards against a dense edge between two wide nodes).
+    Chains of layers and the leaves of a computation graph leave the ILP this way;
+    `protected` nodes (in memory rows) stay. Returns the remaining costs and pairs and the
+    eliminations in order."""
     costs = dict(costs)
     adj: dict[int, dict[int, np.ndarray]] = {k: {} for k in costs}   # adj[a][b]: (choices of a, choices of b)
     for (a, b), m in pairs.items():
