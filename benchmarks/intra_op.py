@@ -26,9 +26,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.api import _plan  # noqa: E402
 from autopar.hlo_collectives import bytes_by_kind  # noqa: E402
-from autopar.lower import build_mesh, sharded_function  # noqa: E402
 from autopar.model_zoo import GPTConfig, gpt_abstract_setup  # noqa: E402
 
 MODELS = {  # GPT-3 paper shapes (seq 1024, vocab 51200)
@@ -55,22 +53,20 @@ def run_one(name: str, method_name: str, cluster, batch: int, seq: int, compile_
     row = dict(model=name, method=method_name, params=cfg.num_params)
     t0 = time.perf_counter()
     try:
-        graph, splan, plan = _plan(step, (state, data), {}, cluster, method, memory_budget_bytes=cluster.device.memory_bytes,
-                                   batch_argnums=(1,), device_ids=list(range(8)))
+        plan = autopar.make_plan(step, state, data, cluster=cluster, method=method,
+                                 memory_budget=cluster.device.memory_bytes, batch_argnums=(1,))
     except (autopar.MemoryBudgetError, autopar.MeshDivisibilityError) as e:
         row.update(error=str(e).split(";")[0])
         return row
     st = plan.stages[0]
-    row.update(plan_s=time.perf_counter() - t0, ops=len(graph.ops), mesh=f"{st.mesh_shape[0]}x{st.mesh_shape[1]}",
+    row.update(plan_s=time.perf_counter() - t0, mesh=f"{st.mesh_shape[0]}x{st.mesh_shape[1]}",
                step_s=st.predicted_time_s, comm_bytes=st.comm_bytes, memory_bytes=st.memory_bytes,
                args_bytes=st.argument_bytes, solver=st.solver_status,
                tflops_per_device=cfg.train_flops / st.predicted_time_s / 8 / 1e12)
-    if compile_hlo:
+    if compile_hlo:     # the same plan on 8 simulated CPU devices, compiled from abstract inputs
         t1 = time.perf_counter()
-        mesh = build_mesh(jax.devices()[:8], splan.mesh_shape)
-        fn = sharded_function(graph, splan, mesh)
-        flat = jax.tree_util.tree_leaves((state, data))
-        compiled = fn.lower(*flat).compile()
+        pstep = autopar.parallelize(step, plan=plan, devices=jax.devices()[:8])
+        compiled = pstep.lower(state, data).compile()
         row.update(compiled_comm_bytes=sum(bytes_by_kind(compiled.as_text()).values()), compile_s=time.perf_counter() - t1)
     return row
 
