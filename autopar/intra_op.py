@@ -99,6 +99,10 @@ class _Reshard:
     def __call__(self, src: DimSharding, dst: DimSharding, spec: TensorSpec) -> tuple[float, tuple[Collective, ...]]:
         return self.costs.reshard(src, dst, spec, self.mesh)
 
+    def matrix(self, src: Sequence[DimSharding], dst: Sequence[DimSharding], spec: TensorSpec) -> np.ndarray:
+        """Seconds from each layout of `src` (rows) into each of `dst` (columns)."""
+        return self.costs.reshard_matrix(src, dst, spec, self.mesh)
+
 
 def _scan_strategies(op: Op, mesh: LogicalMesh, time_limit_s: float, solver: str, costs: ShardingCosts
                      ) -> list[Strategy]:
@@ -248,16 +252,12 @@ def _edges(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], resha
     charges the reshard of v from its layout into w's (an output returned in an input's
     layout, or a value another program hands back in a layout of its own)."""
     out = []
-
-    def matrix(sl, dl, spec):
-        return reshard.costs.reshard_matrix(sl, dl, spec, reshard.mesh)
-
     for gid, g in enumerate(groups):
         for r, v in enumerate(g.req_vars):
             src = group_of[v]
             sk, sl = _keys([ch.out[v] for ch in groups[src].choices])
             dk, dl = _keys([ch.req[r] for ch in g.choices])
-            out.append((ilp.Edge(src, gid, sk, dk, matrix(sl, dl, graph.vars[v])), v, sl, dl))
+            out.append((ilp.Edge(src, gid, sk, dk, reshard.matrix(sl, dl, graph.vars[v])), v, sl, dl))
     pairs = [(graph.outvars[o], graph.invars[i]) for o, i in tie_outputs.items()] + list(tie_vars)
     for v, w in pairs:
         if v in graph.literals or w in graph.literals or v == w or v not in group_of or w not in group_of:
@@ -265,7 +265,7 @@ def _edges(graph: OpGraph, groups: list[_Group], group_of: dict[int, int], resha
         src, dst = group_of[v], group_of[w]
         sk, sl = _keys([ch.out[v] for ch in groups[src].choices])
         dk, dl = _keys([ch.out[w] for ch in groups[dst].choices])
-        out.append((ilp.Edge(src, dst, sk, dk, matrix(sl, dl, graph.vars[v])), v, sl, dl))
+        out.append((ilp.Edge(src, dst, sk, dk, reshard.matrix(sl, dl, graph.vars[v])), v, sl, dl))
     return out
 
 

@@ -37,17 +37,19 @@ class ShardingCosts:
         ins = tuple(None if v in graph.literals else graph.vars[v] for v in op.inputs)
         outs = tuple(graph.vars[v] for v in op.outputs)
         key = _op_key(op, ins, outs, self._mesh_key(mesh))
+        def fused(strats: list[Strategy]) -> list[Strategy]:
+            return [s.fused(counted, mesh.memory_s) for s in strats]
+
         if key is None:
             strats = enumerate_strategies(op, graph, mesh)
-            return strats if counted is None else [s.fused(counted, mesh.memory_s) for s in strats]
+            return strats if counted is None else fused(strats)
         if key not in self._strategies:
             self._strategies[key] = enumerate_strategies(op, graph, mesh)
         if counted is None:
             return list(self._strategies[key])
-        fkey = (key, counted)
-        if fkey not in self._fused:
-            self._fused[fkey] = [s.fused(counted, mesh.memory_s) for s in self._strategies[key]]
-        return list(self._fused[fkey])
+        if (key, counted) not in self._fused:
+            self._fused[(key, counted)] = fused(self._strategies[key])
+        return list(self._fused[(key, counted)])
 
     def reshard_matrix(self, src: Sequence[DimSharding], dst: Sequence[DimSharding], tensor: TensorSpec,
                        mesh: Any) -> np.ndarray:
