@@ -82,5 +82,8 @@ def test_parallelize_remat_full_of_custom_vjp_and_pure_callback_runs_twice_like_
     for _ in range(2):
         got_p, got = pstep(params, x)
         np.testing.assert_allclose(got, want, rtol=1e-5)
-    for g, w in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p)):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    # compared as updates (new - old): their float32 sums in another order (remat, LLVM's
+    # code) differ by ~1e-5 of the update's scale, more than 1e-4 of an element near 0
+    for g, w, p0 in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p), jax.tree.leaves(params)):
+        du, dw = np.asarray(g) - np.asarray(p0), np.asarray(w) - np.asarray(p0)
+        np.testing.assert_allclose(du, dw, rtol=1e-4, atol=1e-4 * float(np.abs(dw).max()))
