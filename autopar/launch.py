@@ -39,11 +39,27 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+HUGE_PAGE_MALLOC = "glibc.malloc.hugetlb"
+
+
+def with_huge_page_malloc(env: dict[str, str]) -> dict[str, str]:
+    """`env` with glibc's malloc asking for transparent huge pages (GLIBC_TUNABLES
+    `glibc.malloc.hugetlb=1`), unless it already sets that tunable. XLA:CPU allocates its
+    large buffers afresh on every call, and glibc maps each one with new 4 KiB pages that
+    fault in again: 270k page faults and 14% of a GPT train step on this machine
+    (docs/multi_host.md). Other tunables are kept; non-glibc systems ignore it."""
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+    if any(t.split("=", 1)[0] == HUGE_PAGE_MALLOC for t in tunables):
+        return dict(env)
+    return {**env, "GLIBC_TUNABLES": ":".join(tunables + [f"{HUGE_PAGE_MALLOC}=1"])}
+
+
 def child_env(base: dict[str, str], *, process_id: int, num_processes: int, devices: int, coordinator: str,
               transfer_port: int, heartbeat_s: int) -> dict[str, str]:
     """The environment of process `process_id`: its device count (replacing any in
-    XLA_FLAGS), the CPU platform and the AUTOPAR_* variables `initialize_from_env` reads."""
-    env = dict(base)
+    XLA_FLAGS), the CPU platform, huge-page malloc (`with_huge_page_malloc`) and the
+    AUTOPAR_* variables `initialize_from_env` reads."""
+    env = with_huge_page_malloc(base)
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     env["JAX_PLATFORMS"] = "cpu"

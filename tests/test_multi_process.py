@@ -152,7 +152,19 @@ def test_launcher_environment_and_bad_input(tmp_path):
     assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", "--xla_force_host_platform_device_count=4"]
     assert env[distributed.ENV_PROCESS_ID] == "1" and env[distributed.ENV_NUM_PROCESSES] == "3"
     assert env[distributed.ENV_TRANSFER_ADDRESS] == "127.0.0.1:11"
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
     with pytest.raises(FileNotFoundError, match="no such script"):
         run_launcher(str(tmp_path / "missing.py"), [], num_processes=2, devices_per_process=4)
     with pytest.raises(ValueError, match="at least one process"):
         run_launcher(__file__, [], num_processes=0, devices_per_process=4)
+
+
+def test_launcher_asks_for_huge_page_malloc_and_keeps_the_users_tunables():
+    from autopar.launch import with_huge_page_malloc
+
+    assert with_huge_page_malloc({"PATH": "/bin"}) == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    other = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert with_huge_page_malloc(other)["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert other == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}          # the caller's dict is left alone
+    for own in ("glibc.malloc.hugetlb=0", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=2"):
+        assert with_huge_page_malloc({"GLIBC_TUNABLES": own})["GLIBC_TUNABLES"] == own
