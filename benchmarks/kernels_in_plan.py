@@ -14,12 +14,21 @@ local shape, XLA's time, the tuned kernel's time, and which serves it.
 
 Prints a table per case and writes benchmarks/results/kernels_in_plan_<time>.json
 (rewritten after every case, so a run cut short keeps what it measured).
+
+`--ceiling` (no tuning) asks what any matmul kernel could give here: it measures this
+machine's float32 FMA peak (a C loop of independent vector FMAs built with the kernels'
+compiler and flags, on every core), the planned step under XLA, and XLA's time for each
+local matmul of the plan; the step could get no faster than if every one of them ran at
+that peak, with the rest of the step as XLA has it. Writes kernels_in_plan_ceiling_<time>.json.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -124,6 +133,98 @@ def run_case(model: str, n_devices: int, trials: int, rounds: int, db: str, kern
     }
 
 
+_PEAK_C = r"""
+#include <omp.h>
+typedef float v16 __attribute__((vector_size(64)));
+/* float32 FLOP/s of `iters` rounds of 12 independent vector FMAs per thread, all threads */
+double fma_rate(long iters) {
+  int threads = 1;
+  float sink = 0;
+  double t0 = omp_get_wtime();
+  #pragma omp parallel reduction(+:sink)
+  {
+    v16 a[12], b, c;
+    for (int l = 0; l < 16; ++l) { b[l] = 1.0000001f; c[l] = 1e-7f; }
+    for (int i = 0; i < 12; ++i) for (int l = 0; l < 16; ++l) a[i][l] = (float)(i + l);
+    for (long it = 0; it < iters; ++it) {
+      #pragma GCC unroll 12
+      for (int i = 0; i < 12; ++i) a[i] = a[i] * b + c;
+    }
+    for (int i = 0; i < 12; ++i) for (int l = 0; l < 16; ++l) sink += a[i][l];
+    #pragma omp master
+    threads = omp_get_num_threads();
+  }
+  double s = omp_get_wtime() - t0;
+  return sink == 0.5f ? 0.0 : (double)threads * iters * 12 * 16 * 2 / s;
+}
+"""
+
+
+def fma_peak_flops(iters: int = 20_000_000, repeats: int = 3) -> float:
+    """This machine's float32 FMA peak in FLOP/s (best of `repeats`), with the C compiler
+    and flags the tuned kernels are built with."""
+    from search.backend import CBackend
+
+    backend = CBackend()
+    target = backend.target()
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = os.path.join(tmp, "peak.c"), os.path.join(tmp, "peak.so")
+        with open(src, "w") as f:
+            f.write(_PEAK_C)
+        subprocess.run([*shlex.split(backend.compiler), *target["cflags"], "-o", lib, src], check=True)
+        fn = ctypes.CDLL(lib).fma_rate
+        fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long]
+        return max(fn(iters) for _ in range(repeats))
+
+
+def ceiling_case(model: str, n_devices: int, rounds: int, peak: float) -> dict:
+    """The planned step under XLA, XLA's time for each distinct local matmul of its plan (the
+    canonical [B,] M x K @ K x N product, jitted alone), and the step time if all of them ran
+    at the FMA `peak` instead."""
+    from autopar.kernel_sites import search_task
+
+    step, state, batch = MODELS[model]()
+    devices = jax.devices()[:n_devices]
+    planned = autopar.parallelize(step, devices=devices, kernels="xla")
+    _ready(planned(state, batch))
+    plan = planned.plan
+    xla = jax.jit(step) if n_devices == 1 else planned
+    step_s = interleaved({"xla": xla}, state, batch, rounds)["xla"]
+    tasks = []
+    for kt in plan.stages[0].kernel_tasks:
+        task = search_task(kt)
+        ins = task.random_inputs()
+        a, b = jnp.asarray(ins["A"]), jnp.asarray(ins["B"])
+        op = jax.jit(jnp.matmul)
+        _ready(op(a, b))
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            _ready(op(a, b))
+            best = min(best, time.perf_counter() - t0)
+        tasks.append({"workload": kt.workload_key, "ops": kt.ops, "flops": task.flops, "xla_s": best,
+                      "xla_flops_per_s": task.flops / best, "at_peak_s": task.flops / peak})
+    xla_mm = sum(t["xla_s"] * t["ops"] for t in tasks)
+    peak_mm = sum(t["at_peak_s"] * t["ops"] for t in tasks)
+    return {"model": model, "devices": n_devices, "mesh": list(plan.stages[0].mesh_shape), "peak_flops_per_s": peak,
+            "step_xla_s": step_s, "matmuls_xla_s": xla_mm, "matmuls_at_peak_s": peak_mm,
+            "rest_of_step_s": step_s - xla_mm, "step_bound_s": step_s - xla_mm + peak_mm,
+            "max_speedup": step_s / (step_s - xla_mm + peak_mm), "tasks": tasks}
+
+
+def print_ceiling(console: Console, c: dict) -> None:
+    table = Table(title=f"{c['model']} on {c['devices']} device(s), mesh {c['mesh']}: step {c['step_xla_s'] * 1e3:.0f} ms "
+                        f"(XLA), local matmuls {c['matmuls_xla_s'] * 1e3:.0f} ms of it; all at the FMA peak "
+                        f"({c['peak_flops_per_s'] / 1e9:.0f} GFLOP/s): {c['matmuls_at_peak_s'] * 1e3:.0f} ms, "
+                        f"step >= {c['step_bound_s'] * 1e3:.0f} ms = at most {c['max_speedup']:.2f}x")
+    for col in ("local task", "ops", "XLA ms", "XLA GFLOP/s", "% of peak", "at peak ms"):
+        table.add_column(col)
+    for t in c["tasks"]:
+        table.add_row(t["workload"], str(t["ops"]), f"{t['xla_s'] * 1e3:.2f}", f"{t['xla_flops_per_s'] / 1e9:.0f}",
+                      f"{100 * t['xla_flops_per_s'] / c['peak_flops_per_s']:.0f}", f"{t['at_peak_s'] * 1e3:.2f}")
+    console.print(table)
+
+
 def print_case(console: Console, case: dict) -> None:
     table = Table(title=f"{case['model']} on {case['devices']} device(s), mesh {case['mesh']}: "
                         f"step {case['step_tuned_s'] * 1e3:.1f} ms tuned vs {case['step_xla_s'] * 1e3:.1f} ms "
@@ -148,14 +249,19 @@ def main() -> int:
     ap.add_argument("--devices", default="1,8")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default 7)")
     ap.add_argument("--db", default=None, help="tuning DB (default: a fresh one under a temporary directory)")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="no tuning: the FMA peak, XLA's time per local matmul and the best step they allow")
     ap.add_argument("--kernels", choices=["tuned", "cached"], default="tuned",
                     help="cached: use --db's kernels and comparisons as they are (re-time the step only)")
     args = ap.parse_args()
     console = Console(width=140)
+    if args.ceiling:
+        return ceiling_main(args, console)
     out = os.path.join(ROOT, "benchmarks", "results", f"kernels_in_plan_{int(time.time())}.json")
     db = args.db or os.path.join(tempfile.mkdtemp(prefix="autopar-kernels-"), "tuning.db")
     result = {"machine": {"cpu_count": os.cpu_count(), "jax": jax.__version__}, "trials_per_task": args.trials,
               "kernels": args.kernels, "tuning_db": db, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+              "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
               "cases": []}
     for model in args.models.split(","):
         for n in (int(d) for d in args.devices.split(",")):
@@ -167,6 +273,24 @@ def main() -> int:
     print(json.dumps([{k: c[k] for k in ("model", "devices", "step_tuned_s", "step_xla_s", "speedup",
                                          "sites_on_kernels", "sites", "plan_and_tune_s")} for c in result["cases"]],
                      indent=1))
+    console.print(f"written {out}")
+    return 0
+
+
+def ceiling_main(args, console: Console) -> int:
+    out = os.path.join(ROOT, "benchmarks", "results", f"kernels_in_plan_ceiling_{int(time.time())}.json")
+    peak = fma_peak_flops()
+    result = {"machine": {"cpu_count": os.cpu_count(), "jax": jax.__version__},
+              "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "peak_flops_per_s": peak, "cases": []}
+    for model in args.models.split(","):
+        for n in (int(d) for d in args.devices.split(",")):
+            case = ceiling_case(model, n, args.rounds, peak)
+            result["cases"].append(case)
+            print_ceiling(console, case)
+            with open(out, "w") as f:
+                json.dump(result, f, indent=1)
+    print(json.dumps([{k: c[k] for k in ("model", "devices", "step_xla_s", "matmuls_xla_s", "step_bound_s",
+                                         "max_speedup")} for c in result["cases"]], indent=1))
     console.print(f"written {out}")
     return 0
 
