@@ -27,11 +27,10 @@ import argparse
 import ctypes
 import json
 import os
-import shlex
-import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
@@ -46,6 +45,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.kernel_choice import interleaved_best_s  # noqa: E402
 from autopar.model_zoo.gpt import GPTConfig, gpt_setup  # noqa: E402
 from autopar.model_zoo.train_step import concrete_setup, cross_entropy  # noqa: E402
 
@@ -161,20 +161,20 @@ double fma_rate(long iters) {
 
 
 def fma_peak_flops(iters: int = 20_000_000, repeats: int = 3) -> float:
-    """This machine's float32 FMA peak in FLOP/s (best of `repeats`), with the C compiler
-    and flags the tuned kernels are built with."""
+    """This machine's float32 FMA peak in FLOP/s (best of `repeats`), built by the search's
+    C backend: the compiler and flags the tuned kernels are built with."""
     from search.backend import CBackend
 
     backend = CBackend()
-    target = backend.target()
-    with tempfile.TemporaryDirectory() as tmp:
-        src, lib = os.path.join(tmp, "peak.c"), os.path.join(tmp, "peak.so")
-        with open(src, "w") as f:
-            f.write(_PEAK_C)
-        subprocess.run([*shlex.split(backend.compiler), *target["cflags"], "-o", lib, src], check=True)
-        fn = ctypes.CDLL(lib).fma_rate
+    try:
+        built = backend.build([_PEAK_C])[0]
+        if built.path is None:
+            raise RuntimeError(f"building the FMA peak loop failed: {built.error}")
+        fn = ctypes.CDLL(built.path).fma_rate
         fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long]
         return max(fn(iters) for _ in range(repeats))
+    finally:
+        backend.close()
 
 
 def ceiling_case(model: str, n_devices: int, rounds: int, peak: float) -> dict:
@@ -196,12 +196,7 @@ def ceiling_case(model: str, n_devices: int, rounds: int, peak: float) -> dict:
         ins = task.random_inputs()
         a, b = jnp.asarray(ins["A"]), jnp.asarray(ins["B"])
         op = jax.jit(jnp.matmul)
-        _ready(op(a, b))
-        best = float("inf")
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            _ready(op(a, b))
-            best = min(best, time.perf_counter() - t0)
+        best = interleaved_best_s([lambda: op(a, b)], rounds)[0]
         tasks.append({"workload": kt.workload_key, "ops": kt.ops, "flops": task.flops, "xla_s": best,
                       "xla_flops_per_s": task.flops / best, "at_peak_s": task.flops / peak})
     xla_mm = sum(t["xla_s"] * t["ops"] for t in tasks)
@@ -255,42 +250,36 @@ def main() -> int:
                     help="cached: use --db's kernels and comparisons as they are (re-time the step only)")
     args = ap.parse_args()
     console = Console(width=140)
+    machine = {"cpu_count": os.cpu_count(), "jax": jax.__version__}
+    env = {"omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}
     if args.ceiling:
-        return ceiling_main(args, console)
-    out = os.path.join(ROOT, "benchmarks", "results", f"kernels_in_plan_{int(time.time())}.json")
+        peak = fma_peak_flops()
+        return run_all(args, console, "kernels_in_plan_ceiling",
+                       {"machine": machine, **env, "peak_flops_per_s": peak, "cases": []},
+                       lambda model, n: ceiling_case(model, n, args.rounds, peak), print_ceiling,
+                       ("model", "devices", "step_xla_s", "matmuls_xla_s", "step_bound_s", "max_speedup"))
     db = args.db or os.path.join(tempfile.mkdtemp(prefix="autopar-kernels-"), "tuning.db")
-    result = {"machine": {"cpu_count": os.cpu_count(), "jax": jax.__version__}, "trials_per_task": args.trials,
-              "kernels": args.kernels, "tuning_db": db, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-              "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
-              "cases": []}
-    for model in args.models.split(","):
-        for n in (int(d) for d in args.devices.split(",")):
-            case = run_case(model, n, args.trials, args.rounds, db, args.kernels)
-            result["cases"].append(case)
-            print_case(console, case)
-            with open(out, "w") as f:
-                json.dump(result, f, indent=1)
-    print(json.dumps([{k: c[k] for k in ("model", "devices", "step_tuned_s", "step_xla_s", "speedup",
-                                         "sites_on_kernels", "sites", "plan_and_tune_s")} for c in result["cases"]],
-                     indent=1))
-    console.print(f"written {out}")
-    return 0
+    return run_all(args, console, "kernels_in_plan",
+                   {"machine": machine, "trials_per_task": args.trials, "kernels": args.kernels, "tuning_db": db,
+                    **env, "cases": []},
+                   lambda model, n: run_case(model, n, args.trials, args.rounds, db, args.kernels), print_case,
+                   ("model", "devices", "step_tuned_s", "step_xla_s", "speedup", "sites_on_kernels", "sites",
+                    "plan_and_tune_s"))
 
 
-def ceiling_main(args, console: Console) -> int:
-    out = os.path.join(ROOT, "benchmarks", "results", f"kernels_in_plan_ceiling_{int(time.time())}.json")
-    peak = fma_peak_flops()
-    result = {"machine": {"cpu_count": os.cpu_count(), "jax": jax.__version__},
-              "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "peak_flops_per_s": peak, "cases": []}
+def run_all(args, console: Console, name: str, result: dict, run: Callable[[str, int], dict],
+            show: Callable[[Console, dict], None], summary: tuple[str, ...]) -> int:
+    """`run` every (model, device count) of `args`, each case printed by `show` and added to
+    `result`, written to benchmarks/results/<name>_<time>.json after every case."""
+    out = os.path.join(ROOT, "benchmarks", "results", f"{name}_{int(time.time())}.json")
     for model in args.models.split(","):
         for n in (int(d) for d in args.devices.split(",")):
-            case = ceiling_case(model, n, args.rounds, peak)
+            case = run(model, n)
             result["cases"].append(case)
-            print_ceiling(console, case)
+            show(console, case)
             with open(out, "w") as f:
                 json.dump(result, f, indent=1)
-    print(json.dumps([{k: c[k] for k in ("model", "devices", "step_xla_s", "matmuls_xla_s", "step_bound_s",
-                                         "max_speedup")} for c in result["cases"]], indent=1))
+    print(json.dumps([{k: c[k] for k in summary} for c in result["cases"]], indent=1))
     console.print(f"written {out}")
     return 0
 
