@@ -30,7 +30,8 @@ from autopar.cluster import Cluster                                      # noqa:
 from autopar.interface import PlanRequest                                # noqa: E402
 from autopar import model_zoo as mz                                      # noqa: E402
 from autopar.pipeline.method import PipeshardParallel                     # noqa: E402
-from autopar.pipeline.planner import PARAM_MODES, REMAT_OPTIONS, choose_best, in_flight  # noqa: E402
+from autopar.pipeline.best_first import best_first, bound_then_exact     # noqa: E402
+from autopar.pipeline.planner import PARAM_MODES, REMAT_OPTIONS, in_flight  # noqa: E402
 from autopar.pipeline.record import to_plan                               # noqa: E402
 from autopar.pipeline.submesh import logical_mesh_shapes                  # noqa: E402
 
@@ -96,8 +97,10 @@ def grid_best(planner, B_values, limit):
             its.append(best[1])
         return float(sum(times) + sum(its) + (B - 1) * max(times))
 
-    point, value, priced = choose_best(points, lambda p: latency(p, False), lambda p: latency(p, True))
-    return point, value, len(points), len(priced)
+    priced = []
+    found = best_first(points, bound_then_exact(lambda p: latency(p, False),
+                                                lambda p: priced.append(p) or latency(p, True)))
+    return found.candidate, found.latency_s, len(points), len(priced)
 
 
 def run_case(case, grid: bool, micro_batches="auto") -> dict:

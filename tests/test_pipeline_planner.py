@@ -14,9 +14,10 @@ from autopar.cluster import Cluster
 from autopar.pipeline.layer_cost import LayerSolver, per_device_bytes, solve_layer
 from autopar.pipeline.layer_graph import trace_layer
 from autopar.pipeline.layers import cut_layers, repeat_cuts
-from autopar.pipeline.planner import choose_best, optimizer_state_factor
+from autopar.pipeline.best_first import Refinement, best_first, bound_then_exact
+from autopar.pipeline.planner import optimizer_state_factor
 from autopar.pipeline.stage import compose, stage_layers
-from autopar.pipeline.stage_dp import lazy_stage_dp, stage_dp
+from autopar.pipeline.stage_dp import lazy_stage_dp, lazy_stage_dp_steps, stage_dp
 from autopar.pipeline.trace import StepTracer
 from autopar.resharding import reshard_cost
 from pipeline_gpt import LAYERS, init_state, make_batch, make_step
@@ -64,8 +65,8 @@ def test_lazy_stage_dp_equals_the_dp_on_fully_priced_costs():
 
 
 def test_choice_of_micro_batches_equals_brute_force():
-    """choose_best over B (lower bounds from cheap tensors, exact latencies from the lazy
-    DP) picks the B a brute force over every B and the fully priced DP picks."""
+    """best_first over B (lower bounds from cheap tensors, exact latencies from the DP)
+    picks the B a brute force over every B and the fully priced DP picks."""
     rng = random.Random(5)
     checked = 0
     for _ in range(40):
@@ -97,14 +98,79 @@ def test_choice_of_micro_batches_equals_brute_force():
                 pass
         if not brute:
             with pytest.raises(ValueError):
-                choose_best(list(instances), lower, full)
+                best_first(list(instances), bound_then_exact(lower, full))
             continue
-        got, latency, priced = choose_best(list(instances), lower, full)
+        found = best_first(list(instances), bound_then_exact(lower, full))
+        got, latency = found.candidate, found.latency_s
         want = min(brute, key=lambda b: (brute[b], b))
         assert latency == pytest.approx(brute[want], rel=1e-12)
         assert brute[got] == pytest.approx(brute[want], rel=1e-12)
         checked += 1
     assert checked > 20
+
+
+def test_best_first_over_lazy_dps_equals_brute_force_and_prices_less():
+    """Several lazy stage DPs (one per B) refined best-first, one solve at a time: the
+    result is the brute-force best over all of them (within the tolerance asked), and no
+    DP prices more than it would refined to the end on its own."""
+    rng = random.Random(23)
+    checked, saved = 0, 0
+    for _ in range(30):
+        instances = []
+        while len(instances) < 4:
+            exact, bound, limit, sizes, N, B = _lazy_instance(rng)
+            try:
+                want = stage_dp(exact[0], sizes, N, B, iteration_s=exact[1], memory_bytes=exact[2],
+                                memory_limit_bytes=limit).latency_s
+            except ValueError:
+                want = np.inf
+            instances.append((exact, bound, limit, sizes, N, B, want))
+        brute = min(x[-1] for x in instances)
+
+        def steps(i, counts, tolerance):
+            exact, bound, limit, sizes, N, B, _ = instances[i]
+            cur = [x.copy() for x in bound]
+            mask = np.zeros(exact[0].shape, bool)
+
+            def price(st, s):
+                key = (st.start, st.end - 1, st.submesh)
+                counts[i] += 1
+                mask[key] = True
+                for a, b in zip(cur, exact):
+                    a[key] = b[key]
+
+            return lazy_stage_dp_steps(lambda: cur, lambda st, s: mask[st.start, st.end - 1, st.submesh].all(),
+                                       price, sizes, N, B, memory_limit_bytes=limit,
+                                       priced=(lambda: mask) if tolerance else None)
+
+        def run(i, counts, tolerance):
+            _, bound, limit, sizes, N, B, _ = instances[i]
+            yield Refinement(lower_s=stage_dp(bound[0], sizes, N, B, iteration_s=bound[1], memory_bytes=bound[2],
+                                              memory_limit_bytes=limit).latency_s)
+            yield from steps(i, counts, tolerance)
+
+        for tolerance in (0.0, 0.1):
+            counts = [0] * 4
+            if not np.isfinite(brute):
+                with pytest.raises(ValueError):
+                    best_first(list(range(4)), lambda i: run(i, counts, tolerance), tolerance)
+                continue
+            found = best_first(list(range(4)), lambda i: run(i, counts, tolerance), tolerance)
+            assert brute * (1 - 1e-9) <= found.latency_s <= brute * (1 + tolerance) * (1 + 1e-9)
+            assert found.latency_s >= instances[found.candidate][-1] * (1 - 1e-9)   # a real plan of that B
+            alone = [0] * 4
+            for i in range(4):
+                try:        # as lazy_stage_dp: to the optimum, or a plan within the tolerance
+                    for r in steps(i, alone, tolerance):
+                        if r.upper_s <= r.lower_s * (1 + tolerance):
+                            break
+                except ValueError:
+                    pass
+            assert all(a <= b for a, b in zip(counts, alone))
+            saved += sum(alone) - sum(counts)
+            checked += 1
+    assert checked > 30
+    assert saved > 0
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import bisect
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -29,7 +29,8 @@ from autopar.pipeline.layer_graph import LayerGraph, content_key, trace_layer
 from autopar.pipeline.layers import LayerSpec, clustered_cuts, cut_layers, marker_cuts, repeat_cuts
 from autopar.pipeline.method import PipeshardParallel
 from autopar.pipeline.stage import PlacedStage, StageCost, StageLayers, compose, stage_layers, working_bytes
-from autopar.pipeline.stage_dp import StageDPResult, lazy_stage_dp, stage_dp
+from autopar.pipeline.best_first import Refinement, best_first
+from autopar.pipeline.stage_dp import StageDPResult, lazy_stage_dp, lazy_stage_dp_steps, stage_dp
 from autopar.pipeline.submesh import assign_devices, logical_mesh_shapes
 from autopar.pipeline.trace import StepTracer, TracedStep
 from rockmate.graph import graph_from_jaxpr
@@ -77,43 +78,6 @@ class PipelineDecision:
 def in_flight(schedule: str, stages_from_here: int, num_micro_batches: int) -> int:
     """Micro-batches whose activations a stage keeps: 1F1B min(s, B), GPipe B."""
     return min(stages_from_here, num_micro_batches) if schedule == "1f1b" else num_micro_batches
-
-
-def choose_best(candidates: Sequence[Any], lower_bound: Callable[[Any], float],
-                exact: Callable[[Any], float], tolerance: float = 0.0) -> tuple[Any, float, list[Any]]:
-    """The candidate (a number of micro-batches and layer count) with the least exact
-    latency. Repeatedly: bound every candidate not yet priced (bounds may tighten as others
-    are priced), price the one with the least bound, and stop when no bound beats the best
-    exact latency (divided by 1 + tolerance: the result is then within that fraction of
-    the best). A bound or price that raises ValueError (nothing fits) drops the candidate.
-    Returns (best, latency, the candidates priced exactly)."""
-    remaining = list(candidates)
-    best: tuple[float, Any] | None = None
-    priced = []
-    while remaining:
-        bounds = {}
-        for c in remaining:
-            try:
-                bounds[c] = lower_bound(c)
-            except ValueError:          # nothing fits even at the bound
-                pass
-        remaining = [c for c in remaining if c in bounds]
-        if not remaining:
-            break
-        c = min(remaining, key=lambda x: (bounds[x], candidates.index(x)))
-        if best is not None and bounds[c] * (1 + tolerance) >= best[0]:
-            break
-        remaining.remove(c)
-        try:
-            latency = exact(c)
-        except ValueError:
-            continue
-        priced.append(c)
-        if best is None or latency < best[0] * (1 - 1e-12):
-            best = (latency, c)
-    if best is None:
-        raise ValueError("no pipeline fits the devices' memory for any number of micro-batches or layers")
-    return best[1], best[0], priced
 
 
 @dataclass(frozen=True)
@@ -176,6 +140,7 @@ class _Candidates:
         self.priced = np.zeros(shape, bool)
         self.solved: dict[tuple[int, int, int, int], dict[str, LayerCost]] = {}   # (m, k, p, r) -> key -> solution
         self.costs: dict[tuple, StageCost] = {}
+        self._absorbed: dict[tuple, int] = {}    # (B, option) of another problem -> its layers solved when last refilled
         self._layers: dict[int, list[LayerGraph]] = {}
         self._working: dict[int, list[float]] = {}
         self.context = np.asarray(planner.context_bytes(c, self.B))
@@ -231,31 +196,41 @@ class _Candidates:
         per_working = np.array(self._working_bytes(r)) / n
         if self.planner.slice_share < 1:      # each layer's keys and values over the context, and their cotangents
             per_working = per_working + 2 * self.context / n
-        send = self.planner.send_s_per_byte(self.shapes[m])
         o = self.index(k, p, r)
-        for i in range(L):
-            for j in range(i, L):
-                if done and all(key in done for key in keys[i:j + 1]):
-                    c = self.costs.get((i, j, m, k, p, r))
-                    if c is None:
-                        layers = self.layers(r)
-                        c = self.costs[(i, j, m, k, p, r)] = compose(
-                            stage_layers(layers[i:j + 1], layers), [done[key] for key in keys[i:j + 1]], mesh,
-                            state_bytes_per_param_byte=self.planner.state_factor, send_s_per_byte=send,
-                            reshard=self.planner.solver.costs.reshard, share=self.planner.slice_share,
-                            context_bytes=tuple(self.context[i:j + 1] / n))
-                    values = (c.micro_batch_s, c.iteration_s, c.weight_bytes, c.activation_bytes,
-                              c.working_bytes, c.update_bytes)
-                    self.priced[i, j, m, 0, o] = True
-                else:
-                    # a memory option (parameters restricted, forward recomputed) is never
-                    # faster than the free plain one: its priced per-step time bounds too
-                    free = self.costs.get((i, j, m, k, 0, 0)) if (p, r) != (0, 0) else None
-                    values = (max(c_time[j + 1] - c_time[i], free.micro_batch_s if free else 0.0),
-                              free.iteration_s if free else 0.0, c_w[j + 1] - c_w[i], c_act[j + 1] - c_act[i],
-                              float(per_working[i:j + 1].max()), 0.0)
-                (self.time[i, j, m, 0, o], self.iteration[i, j, m, 0, o], self.weight[i, j, m, 0, o],
-                 self.act[i, j, m, 0, o], self.working[i, j, m, 0, o], self.update[i, j, m, 0, o]) = values
+        # bounds of every range at once ([i, j]: layers i..j), then the exact entries over them
+        seg = lambda c: c[None, 1:] - c[:-1, None]
+        working = np.array([np.maximum.accumulate(np.concatenate([np.zeros(i), per_working[i:]]))
+                            for i in range(L)]) if L else np.zeros((0, 0))
+        unsolved = np.concatenate([[0], np.cumsum([key not in done for key in keys])])
+        upper = np.triu(np.ones((L, L), bool))
+        self.time[:, :, m, 0, o] = np.where(upper, seg(c_time), self.time[:, :, m, 0, o])
+        self.weight[:, :, m, 0, o] = np.where(upper, seg(c_w), self.weight[:, :, m, 0, o])
+        self.act[:, :, m, 0, o] = np.where(upper, seg(c_act), self.act[:, :, m, 0, o])
+        self.working[:, :, m, 0, o] = np.where(upper, working, self.working[:, :, m, 0, o])
+        self.iteration[:, :, m, 0, o] = np.where(upper, 0.0, self.iteration[:, :, m, 0, o])
+        self.update[:, :, m, 0, o] = np.where(upper, 0.0, self.update[:, :, m, 0, o])
+        exact = upper & (seg(unsolved) == 0) if done else np.zeros((L, L), bool)
+        send = self.planner.send_s_per_byte(self.shapes[m])
+        for i, j in zip(*np.nonzero(exact)):
+            c = self.costs.get((i, j, m, k, p, r))
+            if c is None:
+                layers = self.layers(r)
+                c = self.costs[(i, j, m, k, p, r)] = compose(
+                    stage_layers(layers[i:j + 1], layers), [done[key] for key in keys[i:j + 1]], mesh,
+                    state_bytes_per_param_byte=self.planner.state_factor, send_s_per_byte=send,
+                    reshard=self.planner.solver.costs.reshard, share=self.planner.slice_share,
+                    context_bytes=tuple(self.context[i:j + 1] / n))
+            (self.time[i, j, m, 0, o], self.iteration[i, j, m, 0, o], self.weight[i, j, m, 0, o],
+             self.act[i, j, m, 0, o], self.working[i, j, m, 0, o], self.update[i, j, m, 0, o]) = (
+                c.micro_batch_s, c.iteration_s, c.weight_bytes, c.activation_bytes, c.working_bytes, c.update_bytes)
+            self.priced[i, j, m, 0, o] = True
+        if (p, r) != (0, 0):
+            # a memory option (parameters restricted, forward recomputed) is never faster
+            # than the free plain one: its priced per-step time bounds too
+            for i, j in zip(*np.nonzero(~exact & self.priced[:, :, m, 0, self.index(k, 0, 0)])):
+                free = self.costs[(i, j, m, k, 0, 0)]
+                self.time[i, j, m, 0, o] = max(self.time[i, j, m, 0, o], free.micro_batch_s)
+                self.iteration[i, j, m, 0, o] = free.iteration_s
 
     def _residual_bytes(self, r: int) -> list[float]:
         """Per layer, the global bytes of what its forward keeps with remat option r (spread
@@ -284,19 +259,38 @@ class _Candidates:
         bound = self.bounds.device_s[l] / self.mesh(m, k).num_devices
         if r != 0 and r in self._layers:      # the recomputation's FLOPs count too
             bound = max(bound, self.planner.solver.lower_bound(self._layers[r][l], self.mesh(m, k)))
-        for q, s in ((0, r), (p, 0), (0, 0)):
-            hit = self.solved.get((m, k, q, s)) if (q, s) != (p, r) and q <= p and s <= r else None
-            if hit:
-                solution = hit.get(self.keys(s)[l])
+        # what this or a problem with fewer, larger micro-batches solved: the same layer in
+        # a less constrained option (here), in this option there (B'/B times its time,
+        # `_scaled_bound`), or on a mesh this one scales up (parallel efficiency is at most 1)
+        for other in (self, *self._fewer()):
+            scale = other.B / self.B
+            for q, s in {(p, r), (0, r), (p, 0), (0, 0)} - ({(p, r)} if other is self else set()):
+                hit = other.solved.get((m, k, q, s)) if q <= p and s <= r and s in other._layers else None
+                solution = hit.get(other.keys(s)[l]) if hit else None
                 if solution is not None:
-                    bound = max(bound, solution.time_s)
-        for mm, kk, factor in self.smaller[(m, k)]:      # parallel efficiency is at most 1
-            for s in {0, r}:
-                hit = self.solved.get((mm, kk, 0, s))
-                solution = hit.get(self.keys(s)[l]) if hit else None
-                if solution is not None:
-                    bound = max(bound, solution.time_s / factor)
+                    bound = max(bound, solution.time_s * scale)
+            for mm, kk, factor in self.smaller[(m, k)]:
+                for s in {0, r}:
+                    hit = other.solved.get((mm, kk, 0, s)) if s in other._layers else None
+                    solution = hit.get(other.keys(s)[l]) if hit else None
+                    if solution is not None:
+                        bound = max(bound, solution.time_s * scale / factor)
         return bound
+
+    def _fewer(self) -> list["_Candidates"]:
+        """The candidate sets of the same layers and submeshes for a number of micro-batches
+        dividing B: their layers are these on micro-batches an integer factor larger."""
+        return [o for o in self.planner.problems_like(self) if o.B < self.B and self.B % o.B == 0]
+
+    def _absorb(self) -> None:
+        """Refill the options for which a problem with fewer micro-batches solved layers
+        since the last look: their solutions bound these layers (`_layer_bound`)."""
+        for other in self._fewer():
+            for option, done in other.solved.items():
+                seen = self._absorbed.get((other.B, option), 0)
+                if len(done) > seen:
+                    self._absorbed[(other.B, option)] = len(done)
+                    self._refresh(*option)
 
     def price(self, i: int, j: int, m: int, k: int, p: int, r: int) -> None:
         """Solve the ILP of every layer content of range i..j not yet solved for this
@@ -336,6 +330,7 @@ class _Candidates:
         """(time, once-per-step time, memory) [L, L, M, S, K] for the stage DP. A bound is
         nudged up by 1e-9 of itself so that, between a priced candidate and a bound of the
         same value, the DP takes the priced one instead of pricing the other."""
+        self._absorb()
         reps = (1, 1, 1, self.S, 1)
         f = self.flight[None, None, None, :, None]
         mem = self.weight + np.maximum(self.act * f + self.working, self.update)
@@ -350,9 +345,8 @@ class _Candidates:
         candidate priced at B' micro-batches bounds the same one at B = k B' by B'/B times
         its time."""
         out = np.zeros_like(self.time)
-        for other in self.planner.problems_like(self):
-            if other.B < self.B and self.B % other.B == 0:
-                out = np.maximum(out, np.where(other.priced, other.time * other.B / self.B, 0.0))
+        for other in self._fewer():
+            out = np.maximum(out, np.where(other.priced, other.time * other.B / self.B, 0.0))
         return out
 
     def index(self, k: int, p: int, r: int) -> int:
@@ -512,6 +506,26 @@ class PipelinePlanner:
 
     def _solve_exact(self, cand: _Candidates, num_stages, fixed, limit: float | None = None) -> StageDPResult:
         """The lazy DP (`stage_dp.lazy_stage_dp`) over these candidates."""
+        return lazy_stage_dp(*self._lazy_args(cand, num_stages, fixed), priced=self._priced(cand),
+                             tolerance=self.method.planning_tolerance, **self._dp_kwargs(num_stages, limit))
+
+    def _refine(self, cand: _Candidates, num_stages, fixed) -> Iterator[Refinement]:
+        """The candidates' bound pipeline (one DP), then the lazy DP's steps (`best_first`)."""
+        yield Refinement(lower_s=self._dp(cand, *cand.tensors(), num_stages, fixed).latency_s)
+        yield from lazy_stage_dp_steps(
+            *self._lazy_args(cand, num_stages, fixed), **self._dp_kwargs(num_stages, None),
+            priced=self._priced(cand) if self.method.planning_tolerance > 0 else None)
+
+    def _dp_kwargs(self, num_stages, limit: float | None) -> dict[str, Any]:
+        return dict(num_stages=num_stages, imbalance_tolerance=self.method.imbalance_tolerance,
+                    memory_limit_bytes=self.memory_limit_bytes if limit is None else limit)
+
+    @staticmethod
+    def _priced(cand: _Candidates) -> Callable[[], np.ndarray]:
+        return lambda: np.tile(cand.priced, (1, 1, 1, cand.S, 1))
+
+    def _lazy_args(self, cand: _Candidates, num_stages, fixed) -> tuple:
+        """(tensors, is_exact, price, submesh sizes, devices, work items) of the lazy DP."""
         def tensors():      # one per DP run
             self.dp_runs += 1
             time_s, it, mem = cand.tensors()
@@ -525,14 +539,8 @@ class PipelinePlanner:
             if not cand.trace_option(r):
                 cand.price(st.start, st.end - 1, st.submesh, k, p, r)
 
-        def priced():
-            return np.tile(cand.priced, (1, 1, 1, cand.S, 1))
-
-        return lazy_stage_dp(tensors, exact, price, [n * m for n, m in cand.shapes], self.cluster.num_devices,
-                             cand.B * self.items_per_micro_batch, priced=priced,
-                             tolerance=self.method.planning_tolerance, num_stages=num_stages,
-                             memory_limit_bytes=self.memory_limit_bytes if limit is None else limit,
-                             imbalance_tolerance=self.method.imbalance_tolerance)
+        return (tensors, exact, price, [n * m for n, m in cand.shapes], self.cluster.num_devices,
+                cand.B * self.items_per_micro_batch)
 
     def problems_like(self, cand: _Candidates) -> list[_Candidates]:
         """The candidate sets for other numbers of micro-batches with the same layers and submeshes."""
@@ -627,19 +635,9 @@ class PipelinePlanner:
         cut_options = self.cut_options()
         _, num_stages, fixed = self._shapes()
         keys = [(B, c) for B in Bs for c in range(len(cut_options))]
-        results: dict[tuple[int, int], StageDPResult] = {}
-
-        def lower(key):
-            cand = self.problem(*key)
-            return self._dp(cand, *cand.tensors(), num_stages, fixed).latency_s
-
-        def exact(key):
-            res = self._solve_exact(self.problem(*key), num_stages, fixed)
-            results[key] = res
-            return res.latency_s
-
         try:
-            key, latency, priced = choose_best(keys, lower, exact, self.method.planning_tolerance)
+            found = best_first(keys, lambda key: self._refine(self.problem(*key), num_stages, fixed),
+                               self.method.planning_tolerance)
         except ValueError:
             need = min((self._min_memory(self.problem(*k), num_stages, fixed) for k in keys), default=math.inf)
             if not math.isfinite(need):
@@ -658,9 +656,10 @@ class PipelinePlanner:
                                     what=f"no pipeline plan ({self.method.schedule}, micro-batches "
                                          f"{'/'.join(map(str, Bs))}) with sharded parameters or remat",
                                     advice=sliced) from None
-        cand, res = self.problem(*key), results[key]
+        key, res = found.candidate, found.result
+        cand = self.problem(*key)
         decision = self._decide(cand, res)
-        search = {"micro_batch_candidates": tuple(Bs), "micro_batch_evaluated": tuple(sorted({k[0] for k in priced})),
+        search = {"micro_batch_candidates": tuple(Bs), "micro_batch_evaluated": tuple(sorted({k[0] for k in found.refined})),
                   "layer_counts": tuple(len(c) - 1 for c in cut_options), "ilp_solves": self.solver.solves - self._solves_before,
                   "dp_runs": self.dp_runs, "meshes_priced": sum(p.meshes_priced for p in self._problems.values())}
         latency = res.latency_s

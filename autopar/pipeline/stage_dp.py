@@ -20,9 +20,11 @@ factor (1 + eps) of the optimum; eps = 0 is exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
+
+from autopar.pipeline.best_first import Refinement
 
 
 @dataclass(frozen=True)
@@ -192,21 +194,38 @@ def lazy_stage_dp(tensors: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray
     With `tolerance` > 0 and `priced()` (a mask of the priced candidates), stop as soon as
     the best pipeline of priced candidates is within that fraction of the bound: the
     result is then within (1 + tolerance) of the optimum, for far fewer prices."""
+    for r in lazy_stage_dp_steps(tensors, is_exact, price, submesh_sizes, num_devices, num_micro_batches,
+                                 priced=priced if tolerance > 0 else None, **kwargs):
+        if r.done or r.upper_s <= r.lower_s * (1 + tolerance):
+            return r.result
+    raise AssertionError("the lazy stage DP ends with a solution")
+
+
+def lazy_stage_dp_steps(tensors: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]],
+                        is_exact: Callable[[StageChoice, int], bool], price: Callable[[StageChoice, int], None],
+                        submesh_sizes: Sequence[int], num_devices: int, num_micro_batches: int, *,
+                        priced: Callable[[], np.ndarray] | None = None, **kwargs) -> Iterator[Refinement]:
+    """`lazy_stage_dp` one solve at a time, for a best-first search over several such
+    problems (`best_first`): each step yields the DP's latency on the current tensors (a
+    lower bound of the optimum), with `priced()` the best pipeline of priced candidates
+    (an upper bound), and prices what the solution uses when resumed. Raises ValueError
+    when nothing fits."""
     while True:
         time_s, it, mem = tensors()
         res = stage_dp(time_s, submesh_sizes, num_devices, num_micro_batches, iteration_s=it,
                        memory_bytes=mem, **kwargs)
-        if tolerance > 0 and priced is not None:
-            try:
-                best = stage_dp(np.where(priced(), time_s, np.inf), submesh_sizes, num_devices, num_micro_batches,
-                                iteration_s=it, memory_bytes=mem, **kwargs)
-                if best.latency_s <= res.latency_s * (1 + tolerance):
-                    return best
-            except ValueError:
-                pass
         S = len(res.stages)
         pending = [(st, S - n) for n, st in enumerate(res.stages) if not is_exact(st, S - n)]
         if not pending:
-            return res
+            yield Refinement(lower_s=res.latency_s, upper_s=res.latency_s, result=res, done=True)
+            return
+        best = None
+        if priced is not None:
+            try:
+                best = stage_dp(np.where(priced(), time_s, np.inf), submesh_sizes, num_devices, num_micro_batches,
+                                iteration_s=it, memory_bytes=mem, **kwargs)
+            except ValueError:
+                pass
+        yield Refinement(lower_s=res.latency_s, upper_s=best.latency_s if best else np.inf, result=best)
         for st, s in pending:
             price(st, s)
