@@ -330,6 +330,31 @@ def test_a_layer_on_a_mesh_costs_at_least_its_cost_on_a_scaled_down_mesh_over_th
     assert not any(m.shape == (2, 2) for *_, m in [meshes[j] for j, *_ in scaled_down_meshes(inside, meshes)])
 
 
+def test_a_layer_costs_per_sample_at_least_what_it_costs_on_micro_batches_a_factor_larger():
+    """The planner's bound across micro-batch counts (`_Candidates._layer_bound`,
+    `_scaled_bound`): the same layer's ILP optimum on micro-batches k times smaller is at
+    least 1/k of its optimum on the larger ones, on every mesh, in both parameter modes."""
+    opt = optax.adamw(1e-2)
+    tracer = StepTracer(make_step(opt, closure=True), (init_state(opt), make_batch(jax.random.PRNGKey(0), 8)))
+    cluster = Cluster.parse("2x4:a100-80g")
+    solver = LayerSolver()
+    by_B = {}
+    for B in (1, 2, 4):
+        t = tracer.at(B)
+        specs = cut_layers(t.loss, repeat_cuts(t.loss), t.diff_mask)
+        by_B[B] = [trace_layer(t.loss, spec) for spec in (specs[0], specs[1], specs[-1])]
+    pairs = 0
+    for small_B, large_B in ((1, 2), (2, 4), (1, 4)):
+        for big, small in zip(by_B[small_B], by_B[large_B]):
+            for shape in [(1, 1), (1, 4), (2, 2), (2, 4), (8, 1)]:
+                mesh = cluster.logical_mesh(shape)
+                for params in ("fast", "sharded"):
+                    fewer, more = solver(big, mesh, params).time_s, solver(small, mesh, params).time_s
+                    assert more * (1 + 1e-9) >= fewer * small_B / large_B
+                    pairs += 1
+    assert pairs == 3 * 3 * 5 * 2
+
+
 def test_stage_cost_is_its_layers_plus_the_reshards_between_them(traced):
     """A stage's time is its layers' ILP objectives plus, where one layer hands an
     activation on in another layout than the next takes it, that reshard (both ways)."""
