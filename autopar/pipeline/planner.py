@@ -285,12 +285,15 @@ class _Candidates:
     def _absorb(self) -> None:
         """Refill the options for which a problem with fewer micro-batches solved layers
         since the last look: their solutions bound these layers (`_layer_bound`)."""
+        stale = set()
         for other in self._fewer():
             for option, done in other.solved.items():
                 seen = self._absorbed.get((other.B, option), 0)
                 if len(done) > seen:
                     self._absorbed[(other.B, option)] = len(done)
-                    self._refresh(*option)
+                    stale |= self._bounded_by(*option)
+        for option in stale:
+            self._fill(*option)
 
     def price(self, i: int, j: int, m: int, k: int, p: int, r: int) -> None:
         """Solve the ILP of every layer content of range i..j not yet solved for this
@@ -318,13 +321,21 @@ class _Candidates:
 
     def _refresh(self, m: int, k: int, p: int, r: int) -> None:
         """Refill what a new solve of option (p, r) on mesh (m, k) bounds or prices."""
-        for q in range(self.P):        # what was solved bounds the more constrained options
+        for option in self._bounded_by(m, k, p, r):
+            self._fill(*option)
+
+    def _bounded_by(self, m: int, k: int, p: int, r: int) -> set[tuple[int, int, int, int]]:
+        """The options whose entries a solve of option (p, r) on mesh (m, k) prices or bounds:
+        it and the more constrained options on that mesh, and with the free parameter mode
+        the same options on meshes scaled up from it."""
+        out = set()
+        for q in range(self.P):
             for s in self.remats:
                 if q >= p and s >= r:
-                    self._fill(m, k, q, s)
-                    if p == 0:         # ... and the same options on meshes scaled up from this one
-                        for mm, kk in self.larger.get((m, k), ()):
-                            self._fill(mm, kk, q, s)
+                    out.add((m, k, q, s))
+                    if p == 0:
+                        out.update((mm, kk, q, s) for mm, kk in self.larger.get((m, k), ()))
+        return out
 
     def tensors(self):
         """(time, once-per-step time, memory) [L, L, M, S, K] for the stage DP. A bound is
