@@ -346,13 +346,13 @@ def test_a_layer_costs_per_sample_at_least_what_it_costs_on_micro_batches_a_fact
     pairs = 0
     for small_B, large_B in ((1, 2), (2, 4), (1, 4)):
         for big, small in zip(by_B[small_B], by_B[large_B]):
-            for shape in [(1, 1), (1, 4), (2, 2), (2, 4), (8, 1)]:
+            for shape in [(1, 4), (2, 4), (8, 1)]:
                 mesh = cluster.logical_mesh(shape)
                 for params in ("fast", "sharded"):
                     fewer, more = solver(big, mesh, params).time_s, solver(small, mesh, params).time_s
                     assert more * (1 + 1e-9) >= fewer * small_B / large_B
                     pairs += 1
-    assert pairs == 3 * 3 * 5 * 2
+    assert pairs == 3 * 3 * 3 * 2
 
 
 def test_stage_cost_is_its_layers_plus_the_reshards_between_them(traced):
