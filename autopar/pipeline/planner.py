@@ -512,8 +512,7 @@ class PipelinePlanner:
         self.dp_runs += 1
         return stage_dp(time_s, [n * m for n, m in cand.shapes], self.cluster.num_devices,
                         cand.B * self.items_per_micro_batch, iteration_s=it, memory_bytes=mem,
-                        memory_limit_bytes=self.memory_limit_bytes if limit is None else limit, num_stages=num_stages,
-                        imbalance_tolerance=self.method.imbalance_tolerance)
+                        **self._dp_kwargs(num_stages, limit))
 
     def _solve_exact(self, cand: _Candidates, num_stages, fixed, limit: float | None = None) -> StageDPResult:
         """The lazy DP (`stage_dp.lazy_stage_dp`) over these candidates."""
@@ -521,9 +520,8 @@ class PipelinePlanner:
                              tolerance=self.method.planning_tolerance, **self._dp_kwargs(num_stages, limit))
 
     def _refine(self, cand: _Candidates, num_stages, fixed) -> Iterator[Refinement]:
-        """The candidates' bound pipeline (one DP), then the lazy DP's steps (`best_first`)."""
-        yield Refinement(lower_s=self._dp(cand, *cand.tensors(), num_stages, fixed).latency_s)
-        yield from lazy_stage_dp_steps(
+        """The lazy DP's steps (`best_first`): the first is the candidates' bound pipeline."""
+        return lazy_stage_dp_steps(
             *self._lazy_args(cand, num_stages, fixed), **self._dp_kwargs(num_stages, None),
             priced=self._priced(cand) if self.method.planning_tolerance > 0 else None)
 
