@@ -161,3 +161,32 @@ def test_stage_dp_with_intra_stage_options_equals_brute_force():
         assert got.latency_s == pytest.approx(want, rel=1e-9)
         checked += 1
     assert checked > 15
+
+
+def test_least_feasible_bound_is_the_least_slowest_stage_of_any_pipeline():
+    """The bound the stage DP starts its enumeration from (one bottleneck DP in place of a
+    bisection over feasibility) is the least max stage time over all valid pipelines."""
+    from autopar.pipeline.stage_dp import _least_feasible_bound
+
+    rng = random.Random(3)
+    feasible = 0
+    for _ in range(150):
+        time, it, mem, limit, sizes, N, B = random_instance(rng)
+        L, _, M, S = time.shape
+        fixed = rng.choice([None, rng.randint(1, S)])
+        want = np.inf
+        for s in range(1, S + 1):
+            if fixed is not None and s != fixed:
+                continue
+            for cuts in itertools.combinations(range(1, L), s - 1):
+                bounds = [0, *cuts, L]
+                for subs in itertools.product(range(M), repeat=s):
+                    ts = [time[bounds[n], bounds[n + 1] - 1, m, s - 1 - n] for n, m in enumerate(subs)]
+                    mems = [mem[bounds[n], bounds[n + 1] - 1, m, s - 1 - n] for n, m in enumerate(subs)]
+                    if sum(sizes[m] for m in subs) == N and max(mems) <= limit:
+                        want = min(want, max(ts))
+        fastest = np.where(np.triu(np.ones((L, L), bool))[:, :, None, None] & (mem <= limit), time, np.inf)
+        got = _least_feasible_bound(fastest, np.array(sizes), N, list(range(1, S + 1)) if fixed is None else [fixed])
+        assert got == want
+        feasible += np.isfinite(want)
+    assert feasible > 50

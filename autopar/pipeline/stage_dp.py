@@ -9,10 +9,10 @@ stage followed by s-1 others) exceeds the limit; F(0, L, 0) = 0. The options o a
 intra-stage choices (logical mesh shapes): within one bound the best option is the one
 with the least c, so the DP stays exact over them. Latency = F(s, 0, N) + (B - 1) * max.
 
-Pruning: bounds below the smallest feasible one are skipped by bisection (feasibility is
-monotone in the bound); enumeration stops once the least stage-time sum under no bound
-plus (B - 1) * t_max reaches the best latency (a solution first found under t_max has its
-slowest stage at t_max). With an
+Pruning: bounds below the smallest feasible one are skipped (that one is the least slowest
+stage of any pipeline, from one bottleneck DP: `_least_feasible_bound`); enumeration stops
+once the least stage-time sum under no bound plus (B - 1) * t_max reaches the best latency
+(a solution first found under t_max has its slowest stage at t_max). With an
 imbalance tolerance eps (Alpa's pruning) the bounds are grouped into windows
 [t, (1 + eps) t] and only each window's largest bound is tried, so the result is within a
 factor (1 + eps) of the optimum; eps = 0 is exact.
@@ -114,14 +114,7 @@ def stage_dp(time_s: np.ndarray, submesh_sizes: Sequence[int], num_devices: int,
         return found
 
     candidates = np.unique(time_ok[np.isfinite(time_ok)])
-    # smallest feasible bound, by bisection
-    lo_i, hi_i = 0, len(candidates)
-    while lo_i < hi_i:
-        mid = (lo_i + hi_i) // 2
-        if solve(candidates[mid]):
-            hi_i = mid
-        else:
-            lo_i = mid + 1
+    lo_i = int(np.searchsorted(candidates, _least_feasible_bound(time_ok[..., 0], sizes, N, stage_counts)))
     best: tuple[float, float, list] | None = None
     tried = 0
     k = lo_i
@@ -146,6 +139,28 @@ def stage_dp(time_s: np.ndarray, submesh_sizes: Sequence[int], num_devices: int,
                          "cannot use all devices; add devices, lower the batch size, or "
                          "allow more stages")
     return StageDPResult(tuple(best[2]), best[0], best[1], tried)
+
+
+def _least_feasible_bound(fastest: np.ndarray, sizes: np.ndarray, N: int, stage_counts: Sequence[int]) -> float:
+    """The least t_max under which some pipeline exists: the DP's recursion with (min, max)
+    in place of (min, +), H(s, k, d) = min over i, m of max(fastest[k, i, m, s], H(s-1,
+    i+1, d - |m|)), fastest being each candidate's least feasible per-micro-batch time."""
+    L, _, M, _ = fastest.shape
+    H = np.full((L + 1, N + 1), np.inf)
+    H[L, 0] = 0.0
+    shift = np.full((M, L, N + 1), np.inf)
+    least = np.inf
+    for s in range(1, max(stage_counts) + 1):
+        shift[:] = np.inf
+        for m, size in enumerate(sizes):
+            if size <= N:
+                shift[m, :, size:] = H[1:, :N + 1 - size]
+        cand = np.maximum(fastest[:, :, :, s - 1].transpose(0, 2, 1)[:, :, :, None], shift[None])   # [k, m, i, d]
+        H = np.full((L + 1, N + 1), np.inf)
+        H[:L] = cand.reshape(L, M * L, N + 1).min(axis=1)
+        if s in stage_counts:
+            least = min(least, H[0, N])
+    return float(least)
 
 
 def _pareto_options(time_ok: np.ndarray, total_ok: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
