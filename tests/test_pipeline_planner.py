@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from autopar.cluster import Cluster
-from autopar.pipeline.layer_cost import LayerSolver, per_device_bytes, solve_layer
+from autopar.pipeline.layer_cost import LayerSolver, per_device_bytes, shrinks_evenly, solve_layer
 from autopar.pipeline.layer_graph import trace_layer
 from autopar.pipeline.layers import cut_layers, repeat_cuts
 from autopar.pipeline.best_first import Refinement, best_first, bound_then_exact
@@ -331,9 +331,11 @@ def test_a_layer_on_a_mesh_costs_at_least_its_cost_on_a_scaled_down_mesh_over_th
 
 
 def test_a_layer_costs_per_sample_at_least_what_it_costs_on_micro_batches_a_factor_larger():
-    """The planner's bound across micro-batch counts (`_Candidates._layer_bound`,
+    """The planner's bounds across micro-batch counts (`_Candidates._layer_bound`,
     `_scaled_bound`): the same layer's ILP optimum on micro-batches k times smaller is at
-    least 1/k of its optimum on the larger ones, on every mesh, in both parameter modes."""
+    least 1/k of its optimum on the larger ones, on every mesh, in both parameter modes;
+    and where every layout of the larger survives the shrinking (`shrinks_evenly`), the
+    larger costs at least what the smaller does."""
     opt = optax.adamw(1e-2)
     tracer = StepTracer(make_step(opt, closure=True), (init_state(opt), make_batch(jax.random.PRNGKey(0), 8)))
     cluster = Cluster.parse("2x4:a100-80g")
@@ -343,16 +345,22 @@ def test_a_layer_costs_per_sample_at_least_what_it_costs_on_micro_batches_a_fact
         t = tracer.at(B)
         specs = cut_layers(t.loss, repeat_cuts(t.loss), t.diff_mask)
         by_B[B] = [trace_layer(t.loss, spec) for spec in (specs[0], specs[1], specs[-1])]
-    pairs = 0
+    pairs, even = 0, set()
     for small_B, large_B in ((1, 2), (2, 4), (1, 4)):
         for big, small in zip(by_B[small_B], by_B[large_B]):
-            for shape in [(1, 4), (2, 4), (8, 1)]:
+            for shape in [(1, 4), (2, 4), (8, 1), (2, 1)]:
                 mesh = cluster.logical_mesh(shape)
                 for params in ("fast", "sharded"):
                     fewer, more = solver(big, mesh, params).time_s, solver(small, mesh, params).time_s
                     assert more * (1 + 1e-9) >= fewer * small_B / large_B
+                    if shrinks_evenly(big, small, shape):
+                        assert fewer * (1 + 1e-9) >= more
+                        even.add((small_B, large_B, shape))
                     pairs += 1
-    assert pairs == 3 * 3 * 3 * 2
+    assert pairs == 3 * 3 * 4 * 2
+    # 8 samples -> 4 or 2 keep every layout of a 2-device mesh; 4 -> 2 loses the 4-way batch split
+    assert {(1, 2, (2, 1)), (2, 4, (2, 1)), (1, 4, (2, 1)), (1, 2, (1, 4))} <= even
+    assert not even & {(2, 4, (1, 4)), (1, 4, (1, 4)), (2, 4, (2, 4)), (1, 2, (2, 4))}
 
 
 def test_stage_cost_is_its_layers_plus_the_reshards_between_them(traced):

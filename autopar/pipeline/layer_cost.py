@@ -219,6 +219,30 @@ def _op_time(plan: ShardingPlan, index: int) -> float:
     return plan.op_time_s.get(index, 0.0)
 
 
+def shrinks_evenly(big: LayerGraph, small: LayerGraph, mesh_shape: tuple[int, int]) -> bool:
+    """True when `small` is `big`'s train graph on fewer samples and every layout valid for
+    `big` on the mesh is valid for `small`: the same ops in the same order over the same
+    vars, and every dim that differs divisible at its smaller size by each product of
+    mesh axes that divides it at the larger. Then the ILP of `small` chooses among (at
+    least) the same layouts with every cost term no larger (compute, memory traffic and
+    collectives grow with the bytes), so its optimum bounds `big`'s from below."""
+    g, h = big.graph, small.graph
+    if len(g.ops) != len(h.ops) or g.vars.keys() != h.vars.keys() or g.invars != h.invars:
+        return False
+    if any(a.name != b.name or a.inputs != b.inputs or a.outputs != b.outputs for a, b in zip(g.ops, h.ops)):
+        return False
+    a, b = mesh_shape
+    factors = {f for f in (a, b, a * b) if f > 1}
+    for v, spec in g.vars.items():
+        other = h.vars[v].shape
+        if len(spec.shape) != len(other) or spec.dtype != h.vars[v].dtype:
+            return False
+        for x, y in zip(spec.shape, other):
+            if x != y and (y > x or any(x % f == 0 and y % f for f in factors)):
+                return False
+    return True
+
+
 class LayerSolver:
     """Layer ILP solutions cached by layer content and logical mesh (identical layers on
     the same mesh are one solve), their roofline bounds, and the strategies and reshard

@@ -24,7 +24,7 @@ import numpy as np
 
 from autopar.attention import ATTENTION_CALL, attention_calls
 from autopar.cluster import Cluster, LogicalMesh
-from autopar.pipeline.layer_cost import LayerCost, LayerSolver, global_working_bytes
+from autopar.pipeline.layer_cost import LayerCost, LayerSolver, global_working_bytes, shrinks_evenly
 from autopar.pipeline.layer_graph import LayerGraph, content_key, trace_layer
 from autopar.pipeline.layers import LayerSpec, clustered_cuts, cut_layers, marker_cuts, repeat_cuts
 from autopar.pipeline.method import PipeshardParallel
@@ -186,8 +186,17 @@ class _Candidates:
         done = self.solved.get((m, k, p, r), {})
         L = len(self.cuts) - 1
         keys = self.keys(r) if done else [None] * L
-        per_time = np.array([done[key].time_s if key in done else self._layer_bound(m, k, p, r, l)
-                             for l, key in enumerate(keys)])
+        # identical layers (the same content in every problem the bound reads) share it
+        related = [(o, q) for o in (self, *self._fewer(), *self._more()) for q in sorted({0, r}) if q in o._layers]
+        bounds: dict[tuple, float] = {}
+
+        def bound(l: int) -> float:
+            same = (self.bounds.device_s[l], tuple(o.keys(q)[l] for o, q in related))
+            if same not in bounds:
+                bounds[same] = self._layer_bound(m, k, p, r, l)
+            return bounds[same]
+
+        per_time = np.array([done[key].time_s if key in done else bound(l) for l, key in enumerate(keys)])
         residual = self._residual_bytes(r)
         per_act = np.array([done[key].residual_bytes if key in done else b / n for key, b in zip(keys, residual)])
         per_act = per_act + self.context / n
@@ -275,6 +284,17 @@ class _Candidates:
                     solution = hit.get(other.keys(s)[l]) if hit else None
                     if solution is not None:
                         bound = max(bound, solution.time_s * scale / factor)
+        # ... or what a problem with more, smaller micro-batches solved, unscaled, where the
+        # layer's layouts survive the shrinking on the mesh solved (`shrinks_evenly`): here,
+        # or on a mesh this one scales up
+        for other in self._more():
+            for mm, kk, q, s, factor in ([(m, k, q, s, 1) for q, s in {(p, r), (0, r), (p, 0), (0, 0)}]
+                                         + [(mm, kk, 0, s, f) for mm, kk, f in self.smaller[(m, k)] for s in {0, r}]):
+                hit = other.solved.get((mm, kk, q, s)) if s in other._layers and s in self._layers else None
+                solution = hit.get(other.keys(s)[l]) if hit else None
+                if solution is not None and solution.time_s / factor > bound and self.planner.shrinks_evenly(
+                        self.layers(s)[l], other.layers(s)[l], self.logical[mm][kk]):
+                    bound = solution.time_s / factor
         return bound
 
     def _fewer(self) -> list["_Candidates"]:
@@ -282,11 +302,15 @@ class _Candidates:
         dividing B: their layers are these on micro-batches an integer factor larger."""
         return [o for o in self.planner.problems_like(self) if o.B < self.B and self.B % o.B == 0]
 
+    def _more(self) -> list["_Candidates"]:
+        """The candidate sets of the same layers and submeshes for a multiple of B micro-batches."""
+        return [o for o in self.planner.problems_like(self) if o.B > self.B and o.B % self.B == 0]
+
     def _absorb(self) -> None:
-        """Refill the options for which a problem with fewer micro-batches solved layers
-        since the last look: their solutions bound these layers (`_layer_bound`)."""
+        """Refill the options for which a problem with fewer or more micro-batches solved
+        layers since the last look: their solutions bound these layers (`_layer_bound`)."""
         stale = set()
-        for other in self._fewer():
+        for other in (*self._fewer(), *self._more()):
             for option, done in other.solved.items():
                 seen = self._absorbed.get((other.B, option), 0)
                 if len(done) > seen:
@@ -391,6 +415,7 @@ class PipelinePlanner:
         self.solver = solver if solver is not None else LayerSolver(time_limit_s=time_limit_s, solver=method.solver)
         self._solves_before = self.solver.solves
         self._layer_graphs: dict[tuple[int, str, str], Any] = {}
+        self._shrinks: dict[tuple[str, str, tuple[int, int]], bool] = {}
         self.state_factor = optimizer_state_factor(tracer)
         self.dp_runs = 0
         self._meshes: dict[tuple[int, int], LogicalMesh] = {}
@@ -477,6 +502,13 @@ class PipelinePlanner:
         if not Ls or max(Ls) > n:
             raise ValueError(f"the loss has {n} operations, too few for {max(Ls, default=self.method.num_stages)} layers")
         return [clustered_cuts(traced.loss, L) for L in Ls]
+
+    def shrinks_evenly(self, big: LayerGraph, small: LayerGraph, mesh_shape: tuple[int, int]) -> bool:
+        """`layer_cost.shrinks_evenly`, once per pair of layer contents and mesh shape."""
+        key = (big.key, small.key, mesh_shape)
+        if key not in self._shrinks:
+            self._shrinks[key] = shrinks_evenly(big, small, mesh_shape)
+        return self._shrinks[key]
 
     def logical_mesh(self, shape: tuple[int, int]) -> LogicalMesh:
         if shape not in self._meshes:
