@@ -141,6 +141,7 @@ class _Candidates:
         self.solved: dict[tuple[int, int, int, int], dict[str, LayerCost]] = {}   # (m, k, p, r) -> key -> solution
         self.costs: dict[tuple, StageCost] = {}
         self._absorbed: dict[tuple, int] = {}    # (B, option) of another problem -> its layers solved when last refilled
+        self._stale: set[tuple[int, int, int, int]] = set()     # options to refill (`flush`)
         self._layers: dict[int, list[LayerGraph]] = {}
         self._working: dict[int, list[float]] = {}
         self.context = np.asarray(planner.context_bytes(c, self.B))
@@ -309,25 +310,25 @@ class _Candidates:
     def _absorb(self) -> None:
         """Refill the options for which a problem with fewer or more micro-batches solved
         layers since the last look: their solutions bound these layers (`_layer_bound`)."""
-        stale = set()
         for other in (*self._fewer(), *self._more()):
             for option, done in other.solved.items():
                 seen = self._absorbed.get((other.B, option), 0)
                 if len(done) > seen:
                     self._absorbed[(other.B, option)] = len(done)
-                    stale |= self._bounded_by(*option)
-        for option in stale:
-            self._fill(*option)
+                    self._stale |= self._bounded_by(*option)
 
-    def price(self, i: int, j: int, m: int, k: int, p: int, r: int) -> None:
+    def price(self, i: int, j: int, m: int, k: int, p: int, r: int, flush: bool = True) -> None:
         """Solve the ILP of every layer content of range i..j not yet solved for this
-        option, then refresh its candidates."""
+        option, then refresh its candidates (with flush=False, at the next `flush`: the
+        lazy DP prices several stages before it reads the tensors again)."""
         mesh = self.mesh(m, k)
         done = self.solved.setdefault((m, k, p, r), {})
         for key, lg in zip(self.keys(r)[i:j + 1], self.layers(r)[i:j + 1]):
             if key not in done:
                 done[key] = self.planner.solver(lg, mesh, PARAM_MODES[p])
-        self._refresh(m, k, p, r)
+        self._stale |= self._bounded_by(m, k, p, r)
+        if flush:
+            self.flush()
 
     def trace_option(self, r: int) -> bool:
         """Trace the layers with remat option r if not yet done, and tighten the bounds of
@@ -337,16 +338,16 @@ class _Candidates:
         if r in self._layers:
             return False
         self.layers(r)
-        for m in range(len(self.shapes)):
-            for k in range(len(self.logical[m])):
-                for q in range(self.P):
-                    self._fill(m, k, q, r)
+        self._stale.update((m, k, q, r) for m in range(len(self.shapes))
+                           for k in range(len(self.logical[m])) for q in range(self.P))
         return True
 
-    def _refresh(self, m: int, k: int, p: int, r: int) -> None:
-        """Refill what a new solve of option (p, r) on mesh (m, k) bounds or prices."""
-        for option in self._bounded_by(m, k, p, r):
+    def flush(self) -> None:
+        """Refill each option that solves or traces made stale, once; on each mesh the free
+        option first (the others read its prices)."""
+        for option in sorted(self._stale):
             self._fill(*option)
+        self._stale.clear()
 
     def _bounded_by(self, m: int, k: int, p: int, r: int) -> set[tuple[int, int, int, int]]:
         """The options whose entries a solve of option (p, r) on mesh (m, k) prices or bounds:
@@ -366,6 +367,7 @@ class _Candidates:
         nudged up by 1e-9 of itself so that, between a priced candidate and a bound of the
         same value, the DP takes the priced one instead of pricing the other."""
         self._absorb()
+        self.flush()
         reps = (1, 1, 1, self.S, 1)
         f = self.flight[None, None, None, :, None]
         mem = self.weight + np.maximum(self.act * f + self.working, self.update)
@@ -381,6 +383,7 @@ class _Candidates:
         its time."""
         out = np.zeros_like(self.time)
         for other in self._fewer():
+            other.flush()
             out = np.maximum(out, np.where(other.priced, other.time * other.B / self.B, 0.0))
         return out
 
@@ -582,7 +585,7 @@ class PipelinePlanner:
         def price(st, _s):
             k, p, r = cand.option(st.option)
             if not cand.trace_option(r):
-                cand.price(st.start, st.end - 1, st.submesh, k, p, r)
+                cand.price(st.start, st.end - 1, st.submesh, k, p, r, flush=False)
 
         return (tensors, exact, price, [n * m for n, m in cand.shapes], self.cluster.num_devices,
                 cand.B * self.items_per_micro_batch)
