@@ -308,7 +308,7 @@ class _Candidates:
         return [o for o in self.planner.problems_like(self) if o.B > self.B and o.B % self.B == 0]
 
     def _absorb(self) -> None:
-        """Refill the options for which a problem with fewer or more micro-batches solved
+        """Mark stale the options for which a problem with fewer or more micro-batches solved
         layers since the last look: their solutions bound these layers (`_layer_bound`)."""
         for other in (*self._fewer(), *self._more()):
             for option, done in other.solved.items():
