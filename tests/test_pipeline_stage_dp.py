@@ -10,10 +10,11 @@ from autopar.cluster import Cluster
 from autopar.pipeline.submesh import assign_devices, logical_mesh_shapes
 
 
-def brute_force(time, it, mem, limit, sizes, N, B, num_stages=None):
-    """Every split of the layers into contiguous stages and every submesh per stage."""
+def valid_pipelines(time, mem, limit, sizes, N, num_stages=None):
+    """Every split of the layers into contiguous stages and every submesh per stage that
+    uses all N devices with every stage finite and within the memory limit: each as its
+    stages' (first layer, last layer, submesh, stages from it - 1)."""
     L, _, M, S = time.shape
-    best = np.inf
     for s in range(1, S + 1):
         if num_stages is not None and s != num_stages:
             continue
@@ -22,17 +23,15 @@ def brute_force(time, it, mem, limit, sizes, N, B, num_stages=None):
             for subs in itertools.product(range(M), repeat=s):
                 if sum(sizes[m] for m in subs) != N:
                     continue
-                ts, total, ok = [], 0.0, True
-                for n, m in enumerate(subs):
-                    i, j, k = bounds[n], bounds[n + 1] - 1, s - 1 - n
-                    if not np.isfinite(time[i, j, m, k]) or mem[i, j, m, k] > limit:
-                        ok = False
-                        break
-                    ts.append(time[i, j, m, k])
-                    total += time[i, j, m, k] + it[i, j, m, k]
-                if ok:
-                    best = min(best, total + (B - 1) * max(ts))
-    return best
+                cells = [(bounds[n], bounds[n + 1] - 1, m, s - 1 - n) for n, m in enumerate(subs)]
+                if all(np.isfinite(time[c]) and mem[c] <= limit for c in cells):
+                    yield cells
+
+
+def brute_force(time, it, mem, limit, sizes, N, B, num_stages=None):
+    """The least latency over `valid_pipelines`."""
+    return min((sum(time[c] + it[c] for c in cells) + (B - 1) * max(time[c] for c in cells)
+                for cells in valid_pipelines(time, mem, limit, sizes, N, num_stages)), default=np.inf)
 
 
 def random_instance(rng):
@@ -174,17 +173,8 @@ def test_least_feasible_bound_is_the_least_slowest_stage_of_any_pipeline():
         time, it, mem, limit, sizes, N, B = random_instance(rng)
         L, _, M, S = time.shape
         fixed = rng.choice([None, rng.randint(1, S)])
-        want = np.inf
-        for s in range(1, S + 1):
-            if fixed is not None and s != fixed:
-                continue
-            for cuts in itertools.combinations(range(1, L), s - 1):
-                bounds = [0, *cuts, L]
-                for subs in itertools.product(range(M), repeat=s):
-                    ts = [time[bounds[n], bounds[n + 1] - 1, m, s - 1 - n] for n, m in enumerate(subs)]
-                    mems = [mem[bounds[n], bounds[n + 1] - 1, m, s - 1 - n] for n, m in enumerate(subs)]
-                    if sum(sizes[m] for m in subs) == N and max(mems) <= limit:
-                        want = min(want, max(ts))
+        want = min((max(time[c] for c in cells) for cells in valid_pipelines(time, mem, limit, sizes, N, fixed)),
+                   default=np.inf)
         fastest = np.where(np.triu(np.ones((L, L), bool))[:, :, None, None] & (mem <= limit), time, np.inf)
         got = _least_feasible_bound(fastest, np.array(sizes), N, list(range(1, S + 1)) if fixed is None else [fixed])
         assert got == want
